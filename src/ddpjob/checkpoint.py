@@ -1,0 +1,205 @@
+"""Checkpoint files: atomic save with an integrity manifest, verified load, and model weights.
+
+A checkpoint is one file ``step-<N>.pt`` loadable with ``torch.load(weights_only=True)``, plus a
+manifest ``step-<N>.pt.sum`` (JSON: size and CRC-32) written after it. A file without a matching
+manifest is incomplete or corrupt and is never resumed from. Model weights are always stored
+unwrapped: no ``module.`` prefix, whatever wrapper (DataParallel, DDP) trained them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import sys
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+from ddpjob.errors import StorageError, UsageError
+
+FORMAT = "ddpjob-checkpoint/1"
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP, torch.compile
+_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+_CHUNK = 16 << 20
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DistributedDataParallel / torch.compile."""
+    while isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if hasattr(model, "module") else model._orig_mod  # type: ignore[assignment]
+    return model
+
+
+def strip_prefix(state: Mapping[str, Any], prefixes: tuple[str, ...] = WRAPPER_PREFIXES) -> dict[str, Any]:
+    """Remove wrapper prefixes (``module.``, ``_orig_mod.``) from every key, repeatedly."""
+    out = {}
+    for key, value in state.items():
+        while key.startswith(prefixes):
+            key = key[next(len(p) for p in prefixes if key.startswith(p)) :]
+        out[key] = value
+    return out
+
+
+def add_prefix(state: Mapping[str, Any], prefix: str = "module.") -> dict[str, Any]:
+    """The reverse: keys as a DataParallel/DDP-wrapped model's ``state_dict()`` has them."""
+    return {prefix + key: value for key, value in strip_prefix(state).items()}
+
+
+def path_for(directory: Path, step: int) -> Path:
+    return directory / f"step-{step}.pt"
+
+
+def manifest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sum")
+
+
+class _CrcWriter:
+    """File wrapper that computes CRC-32 and size while torch.save writes."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.crc, self.size = f, 0, 0
+
+    def write(self, data: bytes) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(obj: Any, path: Path) -> None:
+    """Write obj to path atomically: temp file, fsync, rename, then the manifest, fsync dir."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            writer = _CrcWriter(f)
+            torch.save(obj, writer)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        manifest = json.dumps({"format": FORMAT, "size": writer.size, "crc32": writer.crc})
+        mtmp = manifest_path(tmp)
+        with open(mtmp, "w") as f:
+            f.write(manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(mtmp, manifest_path(path))
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        for leftover in (tmp, manifest_path(tmp)):
+            leftover.unlink(missing_ok=True)
+        raise StorageError(
+            f"cannot write checkpoint {path}: {exc.strerror or exc}; free space or fix permissions of {path.parent}"
+        ) from None
+
+
+def verify(path: Path) -> str | None:
+    """None if path matches its manifest, else the reason it does not."""
+    try:
+        manifest = json.loads(manifest_path(path).read_text())
+        size, crc = int(manifest["size"]), int(manifest["crc32"])
+    except FileNotFoundError:
+        return "no manifest (save did not finish)"
+    except (ValueError, KeyError, TypeError):
+        return "unreadable manifest"
+    if path.stat().st_size != size:
+        return f"size {path.stat().st_size} != {size} in manifest (truncated)"
+    actual = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            actual = zlib.crc32(chunk, actual)
+    return None if actual == crc else "checksum mismatch (corrupt)"
+
+
+def list_steps(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step-<N>.pt in directory, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def latest_valid(directory: Path) -> Path | None:
+    """The newest checkpoint whose manifest matches; each one skipped is named in a warning."""
+    for _, path in list_steps(directory):
+        reason = verify(path)
+        if reason is None:
+            return path
+        print(f"[ddpjob] warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+    return None
+
+
+def prune(directory: Path, keep: int) -> None:
+    for _, path in list_steps(directory)[keep:]:
+        path.unlink(missing_ok=True)
+        manifest_path(path).unlink(missing_ok=True)
+
+
+def read(path: Path | str, map_location: str | torch.device = "cpu", mmap: bool = True) -> Any:
+    """torch.load with weights_only=True; every way a file can be bad becomes one UsageError line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"checkpoint {path} does not exist; check the path")
+    if manifest_path(path).exists() and (reason := verify(path)):
+        raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0][:200]
+        raise UsageError(f"{path} was refused by torch.load(weights_only=True) (not plain tensors/data): {first}") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        if mmap and "mmap" in str(exc):  # legacy (non-zip) format files cannot be memory-mapped
+            return read(path, map_location, mmap=False)
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{path} is not a readable PyTorch checkpoint (truncated or another format): {first}") from None
+
+
+def model_state(obj: Any, source: str) -> dict[str, torch.Tensor]:
+    """Model weights from a ddpjob checkpoint, a Lightning-style {'state_dict': ...} or a plain state dict."""
+    if isinstance(obj, Mapping):
+        for key in ("model", "state_dict", "model_state_dict"):
+            if isinstance(obj.get(key), Mapping):
+                obj = obj[key]
+                break
+    if not isinstance(obj, Mapping) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UsageError(f"{source} holds no model state dict (expected tensors by parameter name)")
+    return strip_prefix(obj)
+
+
+def check_compatible(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raise one UsageError with a line per missing, unexpected or mis-shaped key."""
+    expected = model.state_dict()
+    problems = [f"missing key {k}" for k in expected if k not in state]
+    problems += [f"unexpected key {k}" for k in state if k not in expected]
+    problems += [
+        f"shape mismatch for {k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise UsageError(f"{source} does not fit the model ({len(problems)} problems; wrong --model?):\n  " + "\n  ".join(shown))
+
+
+def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> nn.Module:
+    """Load state into model. A model built on the meta device takes the tensors as they are
+    (``assign=True``: no second copy); any other model copies them in."""
+    check_compatible(model, state, source)
+    on_meta = any(t.is_meta for t in model.state_dict().values())
+    model.load_state_dict(state, assign=on_meta)
+    return model

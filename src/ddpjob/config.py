@@ -1,0 +1,180 @@
+"""The one config dataclass and how it is read: defaults < .env < DDPJOB_* env vars < CLI flags.
+
+Every field ``foo_bar`` is the flag ``--foo-bar`` and the variable ``DDPJOB_FOO_BAR``. Values from
+every source are parsed and validated here, so bad input fails before any network wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dotenv import dotenv_values
+
+from ddpjob.errors import UsageError
+
+ENV_PREFIX = "DDPJOB_"
+
+
+def _opt(default: Any, help: str, choices: Sequence[str] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": tuple(choices)})
+
+
+@dataclass
+class Config:
+    # what to train
+    model: str = _opt("ddpjob.plugins:digits_mlp", "model factory MODULE:CALLABLE[(k=v,...)] returning an nn.Module")
+    data: str = _opt("ddpjob.plugins:digits", "data factory MODULE:CALLABLE[(k=v,...)] returning train[, val] datasets")
+    epochs: int = _opt(10, "epochs to train")
+    max_steps: int = _opt(0, "stop after this many optimizer steps (0: no limit)")
+    batch_size: int = _opt(32, "samples per process per micro-batch")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step (DDP syncs only on the last)")
+    lr: float = _opt(3e-3, "AdamW learning rate (cosine decay to 0 over the run)")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    seed: int = _opt(0, "seed for weights, data order and every RNG")
+    strategy: str = _opt("ddp", "ddp: one process per device; dp: nn.DataParallel in one process; none", ("ddp", "dp", "none"))
+    device: str = _opt("auto", "auto: cuda if available, else cpu", ("auto", "cpu", "cuda"))
+    precision: str = _opt("fp32", "bf16 enables autocast on CUDA", ("fp32", "bf16"))
+    num_workers: int = _opt(0, "DataLoader worker processes per rank")
+    init_method: str = _opt("env://", "process group init: env:// or tcp://HOST:PORT")
+    collective_timeout: float = _opt(300.0, "seconds before a stuck collective (dead peer) fails the job")
+    # where results go
+    run_dir: str = _opt("runs/ddpjob", "directory for checkpoints, metrics and logs of this job")
+    checkpoint_dir: str = _opt("", "checkpoint directory (default: RUN_DIR/checkpoints)")
+    metrics: str = _opt("", "JSON-lines metrics file, appended (default: RUN_DIR/metrics.jsonl)")
+    save_every: int = _opt(100, "save a checkpoint every N optimizer steps (0: only at the end)")
+    keep: int = _opt(3, "keep the newest K checkpoints")
+    resume: str = _opt("auto", "auto: newest valid checkpoint in CHECKPOINT_DIR; never; or a checkpoint PATH")
+    init_from: str = _opt("", "load model weights only from PATH (ddpjob checkpoint or any state dict)")
+    log_every: int = _opt(10, "log a line every N steps on rank 0")
+    stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
+    # node level (ddpjob launch)
+    nnodes: int = _opt(0, "nodes in the job (0: from the scheduler, else 1)")
+    node_rank: int = _opt(-1, "this node's rank (-1: from the scheduler, else 0)")
+    nproc_per_node: int = _opt(0, "worker processes per node (0: visible GPUs, else 1)")
+    rdzv_endpoint: str = _opt("", "HOST[:PORT] of the rendezvous (default: from the scheduler, else localhost)")
+    rdzv_id: str = _opt("", "rendezvous id shared by all nodes (default: the scheduler's job id)")
+    rdzv_timeout: int = _opt(300, "seconds to wait for all nodes at rendezvous")
+    max_restarts: int = _opt(0, "restarts of the worker group after a failure")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.checkpoint_dir or Path(self.run_dir) / "checkpoints")
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.metrics or Path(self.run_dir) / "metrics.jsonl")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one UsageError line instead of usage + exit."""
+
+    def error(self, message: str) -> Any:
+        raise UsageError(f"{message} (see --help)")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env-file", help="read DDPJOB_* settings from this file (default: ./.env if present)")
+    for f in FIELDS.values():
+        parser.add_argument(flag(f.name), dest=f.name, default=None, metavar=f.name.upper(), help=f.metadata["help"])
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return _Parser(prog=prog, description=description)
+
+
+def _convert(name: str, raw: str, where: str) -> Any:
+    f = FIELDS[name]
+    if f.metadata["choices"] and raw not in f.metadata["choices"]:
+        raise UsageError(f"{where}={raw!r} is not one of {', '.join(f.metadata['choices'])}")
+    kind = type(f.default)
+    try:
+        return kind(raw)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise UsageError(f"{where}={raw!r} is not {noun}; give e.g. {flag(name)} {f.default}") from None
+
+
+def _env_layer(values: Mapping[str, str | None], where: str) -> dict[str, tuple[str, str]]:
+    layer = {}
+    for key, raw in values.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "ENV_FILE":
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in FIELDS:
+            raise UsageError(f"unknown setting {key} in {where}; valid keys are listed in .env.example")
+        layer[name] = (raw or "", f"{key} ({where})" if where != "environment" else key)
+    return layer
+
+
+def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:
+    """Build the Config from parsed flags, the .env file and the environment."""
+    environ = os.environ if environ is None else environ
+    env_file = args.env_file or environ.get(ENV_PREFIX + "ENV_FILE")
+    dotenv: dict[str, str | None] = {}
+    if env_file:
+        if not Path(env_file).is_file():
+            raise UsageError(f"--env-file {env_file}: no such file; pass an existing .env file")
+        dotenv = dotenv_values(env_file)
+    elif Path(".env").is_file():
+        env_file, dotenv = ".env", dotenv_values(".env")
+    if isinstance(environ, os._Environ):  # non-DDPJOB keys (NCCL_*, ...) reach the process, env wins
+        for key, value in dotenv.items():
+            if not key.startswith(ENV_PREFIX) and value is not None:
+                os.environ.setdefault(key, value)
+
+    layered: dict[str, tuple[str, str]] = {}
+    layered.update(_env_layer(dotenv, str(env_file)))
+    layered.update(_env_layer(environ, "environment"))
+    for name in FIELDS:
+        value = getattr(args, name, None)
+        if value is not None:
+            layered[name] = (value, flag(name))
+    cfg = Config(**{name: _convert(name, raw, where) for name, (raw, where) in layered.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    positive = ("epochs", "batch_size", "grad_accum", "keep", "log_every", "stop_check_every", "rdzv_timeout")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"{flag(name)} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("max_steps", "save_every", "num_workers", "max_restarts", "nnodes", "nproc_per_node"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
+    if cfg.lr <= 0 or cfg.collective_timeout <= 0:
+        bad = "lr" if cfg.lr <= 0 else "collective_timeout"
+        raise UsageError(f"{flag(bad)} must be positive, got {getattr(cfg, bad)}")
+    if cfg.node_rank < -1 or (cfg.nnodes and cfg.node_rank >= cfg.nnodes):
+        raise UsageError(f"--node-rank {cfg.node_rank} is outside 0..{max(cfg.nnodes, 1) - 1}")
+    for name in ("model", "data"):
+        spec = getattr(cfg, name)
+        if ":" not in spec or spec.startswith(":") or spec.endswith(":"):
+            raise UsageError(f"{flag(name)} {spec!r} must look like package.module:callable")
+    if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):
+        raise UsageError(f"--init-method {cfg.init_method!r} must be env:// or tcp://HOST:PORT")
+    for name in ("resume", "init_from"):
+        path = getattr(cfg, name)
+        if path and path not in ("auto", "never") and not Path(path).is_file():
+            raise UsageError(f"{flag(name)} {path}: no such checkpoint file; check the path")
+
+
+def print_config(cfg: Config, stream: Any = sys.stdout) -> None:
+    items = " ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
+    print(f"[ddpjob] config: {items}", file=stream, flush=True)

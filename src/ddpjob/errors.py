@@ -1,0 +1,27 @@
+"""Exit codes and the one error type that means "bad input": one line, exit code 2."""
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_STORAGE = 3
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on a signal, checkpoint saved, requeue me
+
+
+class UsageError(Exception):
+    """Bad input (env var, config key, flag, path or checkpoint file).
+
+    The message is one line that names the problem and the fix (several lines only when it
+    lists several problems, one per line). The CLI prints it and exits with EXIT_BAD_INPUT.
+    """
+
+
+class StorageError(Exception):
+    """A checkpoint could not be written (permissions, disk full). Exit code EXIT_STORAGE."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    if isinstance(exc, UsageError):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, StorageError):
+        return EXIT_STORAGE
+    return EXIT_FAILED

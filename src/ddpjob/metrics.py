@@ -1,0 +1,73 @@
+"""What rank 0 reports: JSON-lines metrics (appended across restarts) and progress on stdout.
+
+Losses are accumulated on the device and read back only at logging intervals, so the loop has
+no per-step host sync.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class Metrics:
+    def __init__(self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int) -> None:
+        self.enabled, self.total, self.samples_per_step, self.log_every = enabled, total_steps, samples_per_step, log_every
+        self.file = None
+        self.bar: Any = None
+        self.loss_sum: torch.Tensor | None = None
+        self.count, self.last_time, self.last_step = 0, time.perf_counter(), 0
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def start(self, step: int, **fields: Any) -> None:
+        self.last_step, self.last_time = step, time.perf_counter()
+        self.write(event="start", step=step, **fields)
+        if self.enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True)
+
+    def write(self, **record: Any) -> None:
+        if self.file:
+            self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    def step(self, step: int, epoch: int, loss: torch.Tensor) -> None:
+        """Called every optimizer step with the step's loss tensor (not read back here)."""
+        if not self.enabled:
+            return
+        self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+        self.count += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        if step % self.log_every and step != self.total:
+            return
+        now = time.perf_counter()
+        assert self.loss_sum is not None
+        loss_value = self.loss_sum.item() / self.count
+        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else 0.0
+        self.write(event="train", step=step, epoch=epoch, loss=loss_value, steps_per_s=rate,
+                   samples_per_s=rate * self.samples_per_step)
+        line = (f"step {step}/{self.total} epoch {epoch} loss {loss_value:.4f} "
+                f"{rate * self.samples_per_step:.0f} samples/s eta {eta:.0f}s")
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss_value:.4f}")
+        else:
+            print(f"[ddpjob] {line}", flush=True)
+        self.loss_sum, self.count, self.last_step, self.last_time = None, 0, step, now
+
+    def close(self, **fields: Any) -> None:
+        if fields:
+            self.write(event="end", **fields)
+        if self.bar is not None:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+            self.file = None

@@ -1,0 +1,105 @@
+"""Model and data plug-ins: ``MODULE:CALLABLE[(k=v, ...)]`` loading, and the built-in ones.
+
+A model factory returns an ``nn.Module`` whose output is class logits. A data factory returns a
+training ``Dataset`` of ``(input, label)`` pairs, or a ``(train, validation)`` tuple.
+
+Built in:
+- ``digits_mlp`` / ``digits``: a small classifier on scikit-learn's bundled handwritten digits
+  (1797 8x8 images, shipped inside the package: nothing is downloaded).
+- ``synthetic_mlp`` / ``synthetic``: a model and random dataset of any size, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from ddpjob.errors import UsageError
+
+
+def parse_spec(spec: str) -> tuple[str, str, dict[str, Any]]:
+    """``pkg.mod:fn(width=8, depth=2)`` -> ("pkg.mod", "fn", {"width": 8, "depth": 2})."""
+    module, _, call = spec.partition(":")
+    name, _, rest = call.partition("(")
+    kwargs: dict[str, Any] = {}
+    if rest:
+        try:
+            node = ast.parse(f"f({rest}", mode="eval").body
+            assert isinstance(node, ast.Call) and not node.args
+            kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+        except (SyntaxError, ValueError, AssertionError):
+            raise UsageError(f"{spec!r}: arguments must be literals like fn(width=64, name='x')") from None
+    return module, name, kwargs
+
+
+def load_callable(spec: str) -> Callable[[], Any]:
+    """Import the factory named by spec; the current directory is importable, as with python -m."""
+    module_name, name, kwargs = parse_spec(spec)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module_name!r} for {spec!r}: {exc}; check the module path") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UsageError(f"{module_name!r} has no callable {name!r}; check the name after ':' in {spec!r}")
+    return lambda: fn(**kwargs)
+
+
+def build_model(spec: str) -> nn.Module:
+    model = load_callable(spec)()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def build_data(spec: str) -> tuple[Dataset[Any], Dataset[Any] | None]:
+    data = load_callable(spec)()
+    train, val = data if isinstance(data, tuple) else (data, None)
+    if not hasattr(train, "__len__") or len(train) == 0:
+        raise UsageError(f"data factory {spec!r} returned an empty or unsized training dataset")
+    return train, val
+
+
+def digits(val_fraction: float = 0.2) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's bundled 8x8 digits, scaled to [0, 1], split with a fixed permutation."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    n_val = int(len(x) * val_fraction)
+    val, train = order[:n_val], order[n_val:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+def digits_mlp(hidden: int = 128, dropout: float = 0.1) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+    )
+
+
+def synthetic(samples: int = 4096, features: int = 256, classes: int = 10) -> TensorDataset:
+    """Random inputs with labels from a fixed random projection, so the loss can fall."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(samples, features, generator=gen)
+    y = (x @ torch.randn(features, classes, generator=gen)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def synthetic_mlp(features: int = 256, width: int = 1024, depth: int = 2, classes: int = 10) -> nn.Module:
+    """An MLP of any size: about depth * width**2 parameters."""
+    layers: list[nn.Module] = [nn.Linear(features, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))

@@ -1,0 +1,46 @@
+"""Stop on a signal at a step boundary that every rank agrees on.
+
+SIGTERM (Kubernetes, docker stop), SIGINT and SIGUSR1 (Slurm ``--signal``) only set a flag. Every
+``stop_check_every`` steps the ranks take the maximum of their flags, so all of them stop after
+the same step, rank 0 checkpoints, and all exit with EXIT_PREEMPTED.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class StopSignal:
+    def __init__(self, check_every: int, device: torch.device) -> None:
+        self.check_every = check_every
+        self.received = 0
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.received:
+            print(f"[ddpjob] got {signal.Signals(signum).name}: stopping at the next agreed step", file=sys.stderr, flush=True)
+        self.received = signum
+
+    def agreed(self, step: int) -> bool:
+        """True on every rank, at the same step, once any rank got a stop signal."""
+        if step % self.check_every:
+            return False
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return bool(self.received)
+        self.flag.fill_(self.received)
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
+        return bool(self.flag.item())
+
+    @staticmethod
+    def restore_defaults() -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)

@@ -1,0 +1,324 @@
+"""The training loop, readable top to bottom: set up, load or init, train, checkpoint, evaluate.
+
+One process per device under torchrun (DDP), or one process with nn.DataParallel ("dp") or with
+nothing ("none"). Resuming continues at the exact next batch with every RNG restored, so on CPU a
+resumed run is bitwise equal to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+from ddpjob import checkpoint, rng
+from ddpjob.config import Config, print_config
+from ddpjob.distenv import DistEnv
+from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, UsageError, exit_code_for
+from ddpjob.metrics import Metrics
+from ddpjob.plugins import build_data, build_model
+from ddpjob.preempt import StopSignal
+
+
+@dataclass
+class Progress:
+    """Where training is: optimizer steps done, current epoch, micro-batches of it consumed."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch, self.batch = state["step"], state["epoch"], state["batch"]
+
+
+class ResumableSampler(DistributedSampler[Any]):
+    """DistributedSampler that can start mid-epoch, at sample ``start`` of this rank's share."""
+
+    start = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(super().__iter__())[self.start :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def pick_device(cfg: Config, env: DistEnv) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is visible; use --device cpu or check CUDA_VISIBLE_DEVICES")
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if cfg.strategy == "dp":
+        return torch.device("cuda", 0)
+    return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+
+
+def check_setup(cfg: Config, env: DistEnv) -> None:
+    """Everything that can be checked before any network wait."""
+    if cfg.strategy != "ddp" and env.is_distributed:
+        raise UsageError(
+            f"--strategy {cfg.strategy} runs one process, but {env.source} started {env.world_size}; "
+            "use --strategy ddp or launch a single process"
+        )
+    if cfg.precision == "bf16" and cfg.device == "cpu":
+        raise UsageError("--precision bf16 needs CUDA; use --precision fp32 on CPU")
+    ckpt_dir = cfg.checkpoint_path
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create checkpoint dir {ckpt_dir}: {exc.strerror}; choose a writable --checkpoint-dir") from None
+    if not os.access(ckpt_dir, os.W_OK):
+        raise UsageError(f"checkpoint dir {ckpt_dir} is not writable; fix its permissions or set --checkpoint-dir")
+
+
+def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=cfg.collective_timeout)
+    if not env.is_distributed:  # DDP in one process: an in-memory store, no network
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    if cfg.init_method == "env://":
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend, init_method=cfg.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
+    )
+
+
+def find_resume(cfg: Config) -> Path | None:
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        return checkpoint.latest_valid(cfg.checkpoint_path)
+    return Path(cfg.resume)
+
+
+def agree_on_resume(found: Path | None) -> None:
+    """All ranks must resume from the same step (they may not share a filesystem)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, found.name if found else None)
+    if len(set(seen)) > 1:
+        raise UsageError(f"ranks see different checkpoints to resume from: {seen}; put --checkpoint-dir on shared storage")
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
+    """The user's model, initialised from cfg.seed, or built on the meta device and given weights."""
+    if weights is None:
+        rng.seed_all(cfg.seed)  # identical initial weights on every rank
+        return build_model(cfg.model)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    checkpoint.load_weights(model, weights, source)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # buffers outside the state dict
+        model = checkpoint.load_weights(build_model(cfg.model), weights, source)
+    return model
+
+
+def fingerprint(model: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_replicas_equal(model: nn.Module, env: DistEnv) -> str:
+    """sha256 of the parameters; raises if any rank's differs from rank 0's."""
+    mine = fingerprint(model)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        all_prints: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(all_prints, mine)
+        if len(set(all_prints)) != 1:
+            raise RuntimeError(f"replicas diverged: parameter fingerprints by rank {all_prints}")
+    return mine
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_set: Dataset[Any], env: DistEnv, device: torch.device, batch_size: int) -> dict[str, float]:
+    """Accuracy and loss on the validation set, each rank taking every world_size-th sample."""
+    model.eval()
+    shard = Subset(val_set, range(env.rank, len(val_set), env.world_size))  # type: ignore[arg-type]
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for x, y in DataLoader(shard, batch_size=batch_size):
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction="sum").double(),
+                               (logits.argmax(1) == y).sum().double(), torch.tensor(len(y), dtype=torch.float64, device=device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    model.train()
+    loss, correct, count = totals.tolist()
+    return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
+
+
+class Checkpointer:
+    """Saves the Stateful objects of the run; rank 0 writes, every rank waits for the result."""
+
+    def __init__(self, cfg: Config, env: DistEnv, **stateful: Any) -> None:
+        self.cfg, self.env, self.stateful = cfg, env, stateful
+        self.last_saved = -1
+
+    def save(self, step: int) -> None:
+        rng_states: list[Any] = [rng.get_state()]
+        if dist.is_initialized() and self.env.world_size > 1:
+            rng_states = [None] * self.env.world_size
+            dist.all_gather_object(rng_states, rng.get_state())
+        if self.env.is_main:
+            state = {name: obj.state_dict() for name, obj in self.stateful.items()}
+            state["model"] = checkpoint.unwrap(self.stateful["model"]).state_dict()
+            state.update(format=checkpoint.FORMAT, step=step, rng=rng_states, config=self.cfg.to_dict(),
+                         world_size=self.env.world_size, torch_version=str(torch.__version__))
+            path = checkpoint.path_for(self.cfg.checkpoint_path, step)
+            checkpoint.save(state, path)
+            checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
+            print(f"[ddpjob] saved {path}", flush=True)
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.barrier()
+        self.last_saved = step
+
+
+def run(cfg: Config, env: DistEnv) -> int:
+    check_setup(cfg, env)
+    device = pick_device(cfg, env)
+    train_set, val_set = build_data(cfg.data)
+    resume_from = find_resume(cfg)
+    resumed = checkpoint.read(resume_from, device) if resume_from else None
+    init_from = checkpoint.read(cfg.init_from, device) if cfg.init_from and not resumed else None
+    if cfg.strategy == "ddp":
+        init_process_group(cfg, env, device)
+    try:
+        agree_on_resume(resume_from)
+        return train(cfg, env, device, train_set, val_set, resumed, resume_from, init_from)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(
+    cfg: Config, env: DistEnv, device: torch.device, train_set: Dataset[Any], val_set: Dataset[Any] | None,
+    resumed: dict[str, Any] | None, resume_from: Path | None, init_from: Any,
+) -> int:
+    if env.is_main:
+        print_config(cfg)
+
+    # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
+    source = str(resume_from or cfg.init_from)
+    weights = checkpoint.model_state(resumed or init_from, source) if (resumed or init_from) else None
+    model: nn.Module = build(cfg, weights, source).to(device)
+    rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
+    if cfg.strategy == "ddp":
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif cfg.strategy == "dp":
+        model = nn.DataParallel(model)
+
+    sampler = ResumableSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed)
+    loader_rng = torch.Generator()
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, generator=loader_rng,
+                        num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
+                        pin_memory=device.type == "cuda")
+    steps_per_epoch = sampler.num_samples // cfg.batch_size // cfg.grad_accum
+    if steps_per_epoch == 0:
+        raise UsageError(
+            f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum} exceeds the {sampler.num_samples} "
+            "samples each rank gets per epoch; lower them"
+        )
+    schedule_steps = steps_per_epoch * cfg.epochs  # the LR schedule ignores --max-steps, so stopping early
+    total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
+    progress = Progress()
+    checkpointer = Checkpointer(cfg, env, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+    if resumed:
+        for name in ("optimizer", "scheduler", "progress"):
+            checkpointer.stateful[name].load_state_dict(resumed[name])
+        rng_states = resumed["rng"]
+        if len(rng_states) == env.world_size:  # at another world size, reseeded streams are the best we can do
+            rng.set_state(rng_states[env.rank])
+        checkpointer.last_saved = progress.step
+
+    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, cfg.batch_size * cfg.grad_accum * env.world_size, cfg.log_every)
+    metrics.start(progress.step, resumed_from=str(resume_from) if resume_from else None, world_size=env.world_size,
+                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and device.type == "cuda")
+    stop = StopSignal(cfg.stop_check_every, device)
+    loss_fn = nn.CrossEntropyLoss()
+    batches_per_epoch = steps_per_epoch * cfg.grad_accum
+    exit_code, start_time = EXIT_OK, time.perf_counter()
+
+    try:
+        while progress.epoch < cfg.epochs and progress.step < total_steps:
+            sampler.set_epoch(progress.epoch)
+            sampler.start = progress.batch * cfg.batch_size
+            loader_rng.manual_seed(cfg.seed * 100_003 + progress.epoch)
+            for x, y in loader:
+                if progress.batch >= batches_per_epoch:
+                    break
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                progress.batch += 1
+                sync_now = progress.batch % cfg.grad_accum == 0
+                no_sync = model.no_sync() if isinstance(model, DDP) and not sync_now else contextlib.nullcontext()
+                with no_sync:
+                    with autocast:
+                        loss = loss_fn(model(x), y) / cfg.grad_accum
+                    loss.backward()
+                if not sync_now:
+                    continue
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                progress.step += 1
+                metrics.step(progress.step, progress.epoch, loss * cfg.grad_accum)
+
+                if cfg.save_every and progress.step % cfg.save_every == 0:
+                    checkpointer.save(progress.step)
+                if stop.agreed(progress.step):
+                    checkpointer.save(progress.step)
+                    metrics.write(event="preempted", step=progress.step, signal=stop.received)
+                    exit_code = EXIT_PREEMPTED
+                    return exit_code
+                if progress.step >= total_steps:
+                    break
+            if progress.batch >= batches_per_epoch:  # epoch finished: evaluate, move on
+                if val_set is not None:
+                    result = evaluate(checkpoint.unwrap(model), val_set, env, device, cfg.batch_size)
+                    metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
+                    if env.is_main:
+                        print(f"[ddpjob] epoch {progress.epoch} accuracy {result['accuracy']:.4f} "
+                              f"val_loss {result['val_loss']:.4f}", flush=True)
+                progress.epoch, progress.batch = progress.epoch + 1, 0
+
+        if checkpointer.last_saved != progress.step:
+            checkpointer.save(progress.step)
+        final = evaluate(checkpoint.unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
+        params = check_replicas_equal(checkpoint.unwrap(model), env)
+        if env.is_main:
+            summary = " ".join(f"{k} {v:.4f}" for k, v in final.items())
+            print(f"[ddpjob] done: step {progress.step} {summary} params {params} "
+                  f"({time.perf_counter() - start_time:.1f}s)", flush=True)
+        metrics.write(event="final", step=progress.step, params=params, **final)
+        return exit_code
+    except BaseException as exc:
+        exit_code = exit_code_for(exc)
+        raise
+    finally:
+        metrics.close(step=progress.step, exit_code=exit_code)
+        StopSignal.restore_defaults()
