@@ -160,13 +160,20 @@ def read(path: Path | str, map_location: str | torch.device = "cpu", mmap: bool 
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0][:200]
-        raise UsageError(f"{path} was refused by torch.load(weights_only=True) (not plain tensors/data): {first}") from None
+        lines = [ln for ln in str(exc).splitlines() if "GLOBAL" in ln]
+        if not lines:  # not a pickle stream at all
+            raise UsageError(f"{path} is not a readable PyTorch checkpoint (unknown format): {exc}") from None
+        raise UsageError(
+            f"{path} was refused by torch.load(weights_only=True): {lines[0].strip()[:160]}; "
+            "it holds code, not just tensors - re-save it as a plain state dict"
+        ) from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         if mmap and "mmap" in str(exc):  # legacy (non-zip) format files cannot be memory-mapped
             return read(path, map_location, mmap=False)
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{path} is not a readable PyTorch checkpoint (truncated or another format): {first}") from None
+        raise UsageError(
+            f"{path} is not a readable PyTorch checkpoint (truncated or another format): {first}"
+        ) from None
 
 
 def model_state(obj: Any, source: str) -> dict[str, torch.Tensor]:
@@ -193,7 +200,9 @@ def check_compatible(model: nn.Module, state: Mapping[str, torch.Tensor], source
     ]
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise UsageError(f"{source} does not fit the model ({len(problems)} problems; wrong --model?):\n  " + "\n  ".join(shown))
+        raise UsageError(
+            f"{source} does not fit the model ({len(problems)} problems; wrong --model?):\n  " + "\n  ".join(shown)
+        )
 
 
 def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> nn.Module:

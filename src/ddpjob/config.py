@@ -37,7 +37,9 @@ class Config:
     lr: float = _opt(3e-3, "AdamW learning rate (cosine decay to 0 over the run)")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     seed: int = _opt(0, "seed for weights, data order and every RNG")
-    strategy: str = _opt("ddp", "ddp: one process per device; dp: nn.DataParallel in one process; none", ("ddp", "dp", "none"))
+    strategy: str = _opt(
+        "ddp", "ddp: one process per device; dp: nn.DataParallel in one process; none", ("ddp", "dp", "none")
+    )
     device: str = _opt("auto", "auto: cuda if available, else cpu", ("auto", "cpu", "cuda"))
     precision: str = _opt("fp32", "bf16 enables autocast on CUDA", ("fp32", "bf16"))
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
@@ -95,14 +97,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    return _Parser(prog=prog, description=description)
+    return _Parser(prog=prog, description=description, allow_abbrev=False)
 
 
 def _convert(name: str, raw: str, where: str) -> Any:
     f = FIELDS[name]
     if f.metadata["choices"] and raw not in f.metadata["choices"]:
         raise UsageError(f"{where}={raw!r} is not one of {', '.join(f.metadata['choices'])}")
-    kind = type(f.default)
+    kind: type = type(f.default)
     try:
         return kind(raw)
     except ValueError:

@@ -102,8 +102,7 @@ def resolve(env: Mapping[str, str], cuda_devices: int = 0) -> DistEnv:
         master_addr = first_host(env["SLURM_JOB_NODELIST"])
     if world > 1 and not master_addr:
         raise UsageError(
-            f"MASTER_ADDR is not set but the world has {world} processes; "
-            "export MASTER_ADDR=<host of rank 0>"
+            f"MASTER_ADDR is not set but the world has {world} processes; export MASTER_ADDR=<host of rank 0>"
         )
     port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
     if not 0 < port < 65536:

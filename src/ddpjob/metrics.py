@@ -17,7 +17,12 @@ import torch
 
 class Metrics:
     def __init__(self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int) -> None:
-        self.enabled, self.total, self.samples_per_step, self.log_every = enabled, total_steps, samples_per_step, log_every
+        self.enabled, self.total, self.samples_per_step, self.log_every = (
+            enabled,
+            total_steps,
+            samples_per_step,
+            log_every,
+        )
         self.file = None
         self.bar: Any = None
         self.loss_sum: torch.Tensor | None = None
@@ -53,10 +58,18 @@ class Metrics:
         loss_value = self.loss_sum.item() / self.count
         rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
         eta = (self.total - step) / rate if rate > 0 else 0.0
-        self.write(event="train", step=step, epoch=epoch, loss=loss_value, steps_per_s=rate,
-                   samples_per_s=rate * self.samples_per_step)
-        line = (f"step {step}/{self.total} epoch {epoch} loss {loss_value:.4f} "
-                f"{rate * self.samples_per_step:.0f} samples/s eta {eta:.0f}s")
+        self.write(
+            event="train",
+            step=step,
+            epoch=epoch,
+            loss=loss_value,
+            steps_per_s=rate,
+            samples_per_s=rate * self.samples_per_step,
+        )
+        line = (
+            f"step {step}/{self.total} epoch {epoch} loss {loss_value:.4f} "
+            f"{rate * self.samples_per_step:.0f} samples/s eta {eta:.0f}s"
+        )
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {loss_value:.4f}")
         else:

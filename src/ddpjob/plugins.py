@@ -85,7 +85,12 @@ def digits(val_fraction: float = 0.2) -> tuple[TensorDataset, TensorDataset]:
 
 def digits_mlp(hidden: int = 128, dropout: float = 0.1) -> nn.Module:
     return nn.Sequential(
-        nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+        nn.Linear(64, hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 10),
     )
 
 

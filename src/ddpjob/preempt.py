@@ -27,7 +27,11 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.received:
-            print(f"[ddpjob] got {signal.Signals(signum).name}: stopping at the next agreed step", file=sys.stderr, flush=True)
+            print(
+                f"[ddpjob] got {signal.Signals(signum).name}: stopping at the next agreed step",
+                file=sys.stderr,
+                flush=True,
+            )
         self.received = signum
 
     def agreed(self, step: int) -> bool:

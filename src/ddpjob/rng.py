@@ -19,7 +19,8 @@ def seed_all(seed: int) -> None:
 
 
 def get_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],

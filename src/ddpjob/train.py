@@ -27,7 +27,7 @@ from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, UsageError, exit_code_for
 from ddpjob.metrics import Metrics
-from ddpjob.plugins import build_data, build_model
+from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal
 
 
@@ -81,7 +81,9 @@ def check_setup(cfg: Config, env: DistEnv) -> None:
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot create checkpoint dir {ckpt_dir}: {exc.strerror}; choose a writable --checkpoint-dir") from None
+        raise UsageError(
+            f"cannot create checkpoint dir {ckpt_dir}: {exc.strerror}; choose a writable --checkpoint-dir"
+        ) from None
     if not os.access(ckpt_dir, os.W_OK):
         raise UsageError(f"checkpoint dir {ckpt_dir} is not writable; fix its permissions or set --checkpoint-dir")
 
@@ -116,19 +118,21 @@ def agree_on_resume(found: Path | None) -> None:
     seen: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, found.name if found else None)
     if len(set(seen)) > 1:
-        raise UsageError(f"ranks see different checkpoints to resume from: {seen}; put --checkpoint-dir on shared storage")
+        raise UsageError(
+            f"ranks see different checkpoints to resume from: {seen}; put --checkpoint-dir on shared storage"
+        )
 
 
-def build(cfg: Config, weights: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
-    """The user's model, initialised from cfg.seed, or built on the meta device and given weights."""
+def build(spec: str, seed: int, weights: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
+    """The user's model, initialised from seed, or built on the meta device and given weights."""
     if weights is None:
-        rng.seed_all(cfg.seed)  # identical initial weights on every rank
-        return build_model(cfg.model)
+        rng.seed_all(seed)  # identical initial weights on every rank
+        return build_model(spec)
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(spec)
     checkpoint.load_weights(model, weights, source)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # buffers outside the state dict
-        model = checkpoint.load_weights(build_model(cfg.model), weights, source)
+        model = checkpoint.load_weights(build_model(spec), weights, source)
     return model
 
 
@@ -152,7 +156,9 @@ def check_replicas_equal(model: nn.Module, env: DistEnv) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val_set: Dataset[Any], env: DistEnv, device: torch.device, batch_size: int) -> dict[str, float]:
+def evaluate(
+    model: nn.Module, val_set: Dataset[Any], env: DistEnv, device: torch.device, batch_size: int
+) -> dict[str, float]:
     """Accuracy and loss on the validation set, each rank taking every world_size-th sample."""
     model.eval()
     shard = Subset(val_set, range(env.rank, len(val_set), env.world_size))  # type: ignore[arg-type]
@@ -160,8 +166,13 @@ def evaluate(model: nn.Module, val_set: Dataset[Any], env: DistEnv, device: torc
     for x, y in DataLoader(shard, batch_size=batch_size):
         x, y = x.to(device), y.to(device)
         logits = model(x)
-        totals += torch.stack([nn.functional.cross_entropy(logits, y, reduction="sum").double(),
-                               (logits.argmax(1) == y).sum().double(), torch.tensor(len(y), dtype=torch.float64, device=device)])
+        totals += torch.stack(
+            [
+                nn.functional.cross_entropy(logits, y, reduction="sum").double(),
+                (logits.argmax(1) == y).sum().double(),
+                torch.tensor(len(y), dtype=torch.float64, device=device),
+            ]
+        )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     model.train()
@@ -184,8 +195,14 @@ class Checkpointer:
         if self.env.is_main:
             state = {name: obj.state_dict() for name, obj in self.stateful.items()}
             state["model"] = checkpoint.unwrap(self.stateful["model"]).state_dict()
-            state.update(format=checkpoint.FORMAT, step=step, rng=rng_states, config=self.cfg.to_dict(),
-                         world_size=self.env.world_size, torch_version=str(torch.__version__))
+            state.update(
+                format=checkpoint.FORMAT,
+                step=step,
+                rng=rng_states,
+                config=self.cfg.to_dict(),
+                world_size=self.env.world_size,
+                torch_version=str(torch.__version__),
+            )
             path = checkpoint.path_for(self.cfg.checkpoint_path, step)
             checkpoint.save(state, path)
             checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
@@ -198,6 +215,7 @@ class Checkpointer:
 def run(cfg: Config, env: DistEnv) -> int:
     check_setup(cfg, env)
     device = pick_device(cfg, env)
+    load_callable(cfg.model)  # import errors surface here, before any network wait
     train_set, val_set = build_data(cfg.data)
     resume_from = find_resume(cfg)
     resumed = checkpoint.read(resume_from, device) if resume_from else None
@@ -213,8 +231,14 @@ def run(cfg: Config, env: DistEnv) -> int:
 
 
 def train(
-    cfg: Config, env: DistEnv, device: torch.device, train_set: Dataset[Any], val_set: Dataset[Any] | None,
-    resumed: dict[str, Any] | None, resume_from: Path | None, init_from: Any,
+    cfg: Config,
+    env: DistEnv,
+    device: torch.device,
+    train_set: Dataset[Any],
+    val_set: Dataset[Any] | None,
+    resumed: dict[str, Any] | None,
+    resume_from: Path | None,
+    init_from: Any,
 ) -> int:
     if env.is_main:
         print_config(cfg)
@@ -222,7 +246,7 @@ def train(
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
     source = str(resume_from or cfg.init_from)
     weights = checkpoint.model_state(resumed or init_from, source) if (resumed or init_from) else None
-    model: nn.Module = build(cfg, weights, source).to(device)
+    model: nn.Module = build(cfg.model, cfg.seed, weights, source).to(device)
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
     if cfg.strategy == "ddp":
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -231,9 +255,16 @@ def train(
 
     sampler = ResumableSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed)
     loader_rng = torch.Generator()
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, generator=loader_rng,
-                        num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
-                        pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        train_set,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=loader_rng,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+        pin_memory=device.type == "cuda",
+    )
     steps_per_epoch = sampler.num_samples // cfg.batch_size // cfg.grad_accum
     if steps_per_epoch == 0:
         raise UsageError(
@@ -255,9 +286,15 @@ def train(
             rng.set_state(rng_states[env.rank])
         checkpointer.last_saved = progress.step
 
-    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, cfg.batch_size * cfg.grad_accum * env.world_size, cfg.log_every)
-    metrics.start(progress.step, resumed_from=str(resume_from) if resume_from else None, world_size=env.world_size,
-                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    metrics = Metrics(
+        cfg.metrics_path, env.is_main, total_steps, cfg.batch_size * cfg.grad_accum * env.world_size, cfg.log_every
+    )
+    metrics.start(
+        progress.step,
+        resumed_from=str(resume_from) if resume_from else None,
+        world_size=env.world_size,
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and device.type == "cuda")
     stop = StopSignal(cfg.stop_check_every, device)
     loss_fn = nn.CrossEntropyLoss()
@@ -302,8 +339,11 @@ def train(
                     result = evaluate(checkpoint.unwrap(model), val_set, env, device, cfg.batch_size)
                     metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
                     if env.is_main:
-                        print(f"[ddpjob] epoch {progress.epoch} accuracy {result['accuracy']:.4f} "
-                              f"val_loss {result['val_loss']:.4f}", flush=True)
+                        print(
+                            f"[ddpjob] epoch {progress.epoch} accuracy {result['accuracy']:.4f} "
+                            f"val_loss {result['val_loss']:.4f}",
+                            flush=True,
+                        )
                 progress.epoch, progress.batch = progress.epoch + 1, 0
 
         if checkpointer.last_saved != progress.step:
@@ -312,8 +352,11 @@ def train(
         params = check_replicas_equal(checkpoint.unwrap(model), env)
         if env.is_main:
             summary = " ".join(f"{k} {v:.4f}" for k, v in final.items())
-            print(f"[ddpjob] done: step {progress.step} {summary} params {params} "
-                  f"({time.perf_counter() - start_time:.1f}s)", flush=True)
+            print(
+                f"[ddpjob] done: step {progress.step} {summary} params {params} "
+                f"({time.perf_counter() - start_time:.1f}s)",
+                flush=True,
+            )
         metrics.write(event="final", step=progress.step, params=params, **final)
         return exit_code
     except BaseException as exc:

@@ -1,0 +1,38 @@
+# The commands the README names. `make run` and `make test` each do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+# CPU build of torch by default; for GPUs: make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+NPROC  ?= 2
+
+.PHONY: setup run test lint unit e2e bench clean
+
+setup: $(VENV)/.done
+$(VENV)/.done: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+# The main job: 2 CPU processes under torchrun on the bundled digits dataset.
+run: setup
+	$(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) -m ddpjob train --device cpu $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check src tests examples bench
+	$(BIN)/ruff format --check src tests examples bench
+	$(BIN)/mypy src
+
+unit: setup
+	$(BIN)/pytest -q
+
+test: lint unit
+
+# End-to-end tests against a real Docker engine and Slurm daemons (root; installs what they need).
+e2e: setup
+	bash tests/e2e/provision.sh
+	$(BIN)/pytest -q -m e2e tests/e2e
+
+clean:
+	rm -rf $(VENV) runs .e2e

@@ -1,0 +1,218 @@
+"""``ddpjob launch``: the node agent that every launcher (compose, Slurm, Kubernetes) calls.
+
+It detects where it runs, derives torchrun's arguments (nodes, node rank, rendezvous endpoint and
+id, processes per node), and runs ``torch.distributed.run`` in-process with ``-m ddpjob train``
+and the same flags. Launch files never compute ranks or master addresses themselves.
+
+Detection, first match wins; explicit flags / DDPJOB_* settings override any detected value:
+- Kubeflow PyTorchJob / Trainer: ``PET_NNODES``, ``PET_NODE_RANK``, ``MASTER_ADDR``/``MASTER_PORT``.
+- Slurm, one task per node under srun: ``SLURM_JOB_ID``, ``SLURM_NNODES``, ``SLURM_NODEID``,
+  first host of ``SLURM_JOB_NODELIST`` (its NodeAddr, via scontrol) as the endpoint.
+- Kubernetes Indexed Job: ``JOB_COMPLETION_INDEX``; endpoint ``$JOB_NAME-0.$JOB_SERVICE``; nodes from
+  ``DDPJOB_NNODES`` (the manifest sets all three).
+- Plain (compose, hand launch): ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ddpjob import config
+from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
+from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError
+from ddpjob.plugins import load_callable
+
+HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default misses Slurm's SIGUSR1
+
+
+@dataclass
+class Plan:
+    scheduler: str
+    why: str
+    nnodes: int
+    node_rank: int
+    endpoint: str  # host:port of the rendezvous, "" for a standalone single node
+    rdzv_id: str
+    nproc_per_node: int
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise UsageError(f"{name}={env[name]!r} is not an integer; check the scheduler environment") from None
+
+
+def slurm_node_addr(name: str) -> str:
+    """The address Slurm knows for node `name` (NodeAddr), else the name itself."""
+    if shutil.which("scontrol"):
+        out = subprocess.run(
+            ["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=10
+        ).stdout
+        for word in out.split():
+            if word.startswith("NodeAddr="):
+                return word.split("=", 1)[1]
+    return name
+
+
+def with_port(host: str, port: int) -> str:
+    return host if ":" in host else f"{host}:{port}"
+
+
+def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
+    if "PET_NNODES" in env:
+        nproc = env.get("PET_NPROC_PER_NODE", "auto")
+        node_rank = next((_int(env, k) for k in ("PET_NODE_RANK", "RANK") if k in env), 0)
+        endpoint = (
+            env.get("PET_RDZV_ENDPOINT")
+            or f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', DEFAULT_MASTER_PORT)}"
+        )
+        return Plan(
+            "kubeflow",
+            "PET_NNODES is set (Kubeflow PyTorchJob/Trainer)",
+            _int(env, "PET_NNODES"),
+            node_rank,
+            endpoint,
+            env.get("PET_RDZV_ID", "ddpjob"),
+            int(nproc) if nproc.isdigit() else cuda_devices or 1,
+        )
+    if "SLURM_JOB_ID" in env and "SLURM_NNODES" in env and "SLURM_NODEID" in env:
+        job = _int(env, "SLURM_JOB_ID")
+        head = first_host(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURMD_NODENAME", "localhost"))
+        return Plan(
+            "slurm",
+            f"SLURM_JOB_ID={job} under srun; head node {head}",
+            _int(env, "SLURM_NNODES"),
+            _int(env, "SLURM_NODEID"),
+            f"{slurm_node_addr(head)}:{20000 + job % 10000}",
+            f"slurm-{job}",
+            cuda_devices or 1,
+        )
+    if "JOB_COMPLETION_INDEX" in env:
+        for name in ("JOB_NAME", "JOB_SERVICE"):
+            if not env.get(name):
+                raise UsageError(f"{name} is not set in the Indexed Job's pod env; the manifest must set it")
+        head = f"{env['JOB_NAME']}-0.{env['JOB_SERVICE']}"
+        return Plan(
+            "kubernetes",
+            f"JOB_COMPLETION_INDEX is set (Indexed Job); head pod {head}",
+            _int(env, "DDPJOB_NNODES") if env.get("DDPJOB_NNODES") else 1,
+            _int(env, "JOB_COMPLETION_INDEX"),
+            f"{head}:{DEFAULT_MASTER_PORT}",
+            env["JOB_NAME"],
+            cuda_devices or 1,
+        )
+    return Plan(
+        "plain", "no scheduler env found; using flags / DDPJOB_* settings", 1, 0, "", "ddpjob", cuda_devices or 1
+    )
+
+
+def resolve_plan(cfg: config.Config, env: Mapping[str, str], cuda_devices: int) -> Plan:
+    plan = detect(env, cuda_devices)
+    if cfg.nnodes:
+        plan.nnodes = cfg.nnodes
+    if cfg.node_rank >= 0:
+        plan.node_rank = cfg.node_rank
+    if cfg.rdzv_endpoint:
+        plan.endpoint = with_port(cfg.rdzv_endpoint, DEFAULT_MASTER_PORT)
+    if cfg.rdzv_id:
+        plan.rdzv_id = cfg.rdzv_id
+    if cfg.nproc_per_node:
+        plan.nproc_per_node = cfg.nproc_per_node
+    if not 0 <= plan.node_rank < plan.nnodes:
+        raise UsageError(f"node rank {plan.node_rank} is outside the {plan.nnodes} nodes; check --node-rank / --nnodes")
+    if plan.nnodes > 1 and not plan.endpoint.split(":")[0]:
+        raise UsageError(
+            f"{plan.nnodes} nodes need a rendezvous endpoint; set --rdzv-endpoint HOST[:PORT] (node 0's address)"
+        )
+    return plan
+
+
+def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> list[str]:
+    log_dir = os.path.join(cfg.run_dir, "logs", f"node{plan.node_rank}")
+    args = [
+        f"--nproc-per-node={plan.nproc_per_node}",
+        f"--max-restarts={cfg.max_restarts}",
+        f"--log-dir={log_dir}",
+        f"--signals-to-handle={HANDLED_SIGNALS}",
+    ]
+    if plan.nnodes == 1 and not plan.endpoint:
+        args += ["--standalone"]
+    else:
+        is_host = int(plan.node_rank == 0)
+        args += [
+            f"--nnodes={plan.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={plan.endpoint}",
+            f"--rdzv-id={plan.rdzv_id}",
+            f"--rdzv-conf=is_host={is_host},join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}",
+        ]
+    return [*args, "-m", "ddpjob", "train", *train_argv]
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = config.make_parser("ddpjob launch", "Start this node's training workers with torchrun.")
+    config.add_config_flags(parser)
+    parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and why, then exit")
+    args = parser.parse_args(argv)
+    cfg = config.load(args)
+    for spec in (cfg.model, cfg.data):
+        load_callable(spec)  # a bad plug-in fails here, not after rendezvous
+
+    import torch
+
+    plan = resolve_plan(cfg, os.environ, torch.cuda.device_count())
+    train_argv = [a for a in argv if a != "--dry-run"]
+    cmd = torchrun_args(cfg, plan, train_argv)
+    print(
+        f"[ddpjob] launch: scheduler={plan.scheduler} ({plan.why}); node {plan.node_rank}/{plan.nnodes}, "
+        f"{plan.nproc_per_node} proc/node, rendezvous {plan.endpoint or 'standalone'}",
+        flush=True,
+    )
+    print("[ddpjob] launch: torchrun " + shlex.join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    return run_torchrun(cmd, plan)
+
+
+def run_torchrun(cmd: list[str], plan: Plan) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # elastic restarts after a SIGKILLed worker
+    try:
+        torchrun.run(torchrun.parse_args(cmd))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        print(
+            f"[ddpjob] launch: node {plan.node_rank}: worker rank {rank} exited with {code}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return code
+    except SignalException as exc:
+        print(
+            f"[ddpjob] launch: node {plan.node_rank}: got {exc.sigval.name}; workers checkpointed and stopped",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_PREEMPTED
+    except RendezvousError as exc:
+        print(
+            f"[ddpjob] launch: node {plan.node_rank}: rendezvous at {plan.endpoint} failed for {plan.nnodes} nodes: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; check that every node started and can "
+            f"reach {plan.endpoint}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_FAILED
+    return 0

@@ -1,0 +1,159 @@
+"""Checkpoint files: atomic save, integrity, weights_only load, prefixes both ways, mismatch errors."""
+
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from ddpjob import checkpoint
+from ddpjob.errors import StorageError, UsageError
+from ddpjob.train import build
+
+
+def tutorial_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
+
+
+def test_saved_checkpoint_round_trips_with_weights_only(tmp_path):
+    state = {
+        "model": tutorial_model().state_dict(),
+        "step": 3,
+        "rng": [{"python": (3, tuple(range(5)), None)}],
+        "torch_version": str(torch.__version__),
+    }
+    path = checkpoint.path_for(tmp_path, 3)
+    checkpoint.save(state, path)
+    assert checkpoint.verify(path) is None
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["step"] == 3 and torch.equal(loaded["model"]["0.weight"], state["model"]["0.weight"])
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, capsys):
+    for step in (10, 20):
+        checkpoint.save({"model": tutorial_model().state_dict(), "step": step}, checkpoint.path_for(tmp_path, step))
+    newest = checkpoint.path_for(tmp_path, 20)
+    newest.write_bytes(newest.read_bytes()[:-100])
+    assert checkpoint.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 10)
+    assert "skipping checkpoint" in capsys.readouterr().err and "step-20.pt" in capsys.readouterr().err + str(newest)
+
+
+def test_checkpoint_without_manifest_is_never_resumed_from(tmp_path):
+    checkpoint.save({"step": 1}, checkpoint.path_for(tmp_path, 1))
+    torch.save({"step": 2}, checkpoint.path_for(tmp_path, 2))  # a save that died before its manifest
+    assert checkpoint.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 1)
+
+
+def test_flipped_byte_fails_the_checksum(tmp_path):
+    path = checkpoint.path_for(tmp_path, 1)
+    checkpoint.save({"model": tutorial_model().state_dict()}, path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert "checksum" in checkpoint.verify(path)
+    with pytest.raises(UsageError, match="integrity"):
+        checkpoint.read(path)
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        checkpoint.save({"step": step}, checkpoint.path_for(tmp_path, step))
+    checkpoint.prune(tmp_path, keep=2)
+    assert [s for s, _ in checkpoint.list_steps(tmp_path)] == [4, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3.pt", "step-3.pt.sum", "step-4.pt", "step-4.pt.sum"]
+
+
+def test_unwritable_dir_raises_storage_error_and_leaves_no_temp(tmp_path):
+    if os.geteuid() == 0:
+        target = checkpoint.path_for(tmp_path / "missing-dir", 1)  # root ignores modes: use a missing dir
+    else:
+        tmp_path.chmod(0o500)
+        target = checkpoint.path_for(tmp_path, 1)
+    with pytest.raises(StorageError, match="cannot write checkpoint"):
+        checkpoint.save({"step": 1}, target)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "dp", "ddp-style", "lightning", "ours"])
+def test_weights_load_from_any_wrapper_into_a_plain_model(tmp_path, wrap):
+    src = tutorial_model()
+    state = {
+        "plain": src.state_dict(),
+        "dp": nn.DataParallel(src).state_dict(),
+        "ddp-style": checkpoint.add_prefix(src.state_dict()),
+        "lightning": {"state_dict": src.state_dict()},
+        "ours": {"model": src.state_dict(), "step": 1},
+    }[wrap]
+    path = tmp_path / "w.pt"
+    torch.save(state, path)
+    weights = checkpoint.model_state(checkpoint.read(path), str(path))
+    dst = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
+    checkpoint.load_weights(dst, weights, str(path))
+    for key, value in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[key], value)
+
+
+def test_prefix_added_for_a_wrapped_model_and_stripped_back():
+    sd = tutorial_model().state_dict()
+    wrapped = checkpoint.add_prefix(sd)
+    assert list(wrapped) == ["module." + k for k in sd]
+    nn.DataParallel(tutorial_model()).load_state_dict(wrapped)  # loads into a wrapped model as-is
+    assert list(checkpoint.strip_prefix({"module._orig_mod.0.weight": 1})) == ["0.weight"]
+
+
+def test_meta_built_model_takes_checkpoint_tensors_without_a_copy(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save(tutorial_model().state_dict(), path)
+    weights = checkpoint.model_state(checkpoint.read(path, mmap=True), str(path))
+    model = build("examples.tutorial:model", 0, weights, str(path))
+    assert model[0].weight.data_ptr() == weights["0.weight"].data_ptr()
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_shape_and_key_mismatch_lists_every_problem():
+    sd = tutorial_model().state_dict()
+    sd["2.weight"] = torch.zeros(7, 10)
+    sd["extra.bias"] = torch.zeros(1)
+    del sd["0.bias"]
+    with pytest.raises(UsageError) as err:
+        checkpoint.load_weights(tutorial_model(), sd, "ck.pt")
+    lines = str(err.value).splitlines()
+    assert "3 problems" in lines[0]
+    assert any("missing key 0.bias" in ln for ln in lines)
+    assert any("unexpected key extra.bias" in ln for ln in lines)
+    assert any("2.weight: checkpoint (7, 10) vs model (5, 10)" in ln for ln in lines)
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"not a checkpoint at all", ["not a readable PyTorch checkpoint"]),
+        (pickle.dumps({"x": Evil()}, protocol=2), ["refused by torch.load(weights_only=True)"]),
+    ],
+)
+def test_bad_files_give_one_clear_error(tmp_path, content, words):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(content)
+    with pytest.raises(UsageError) as err:
+        checkpoint.read(path)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_pickled_code_in_a_zip_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"x": Evil()}, path)
+    with pytest.raises(UsageError, match="weights_only"):
+        checkpoint.read(path)
+
+
+def test_a_file_holding_no_state_dict_is_rejected(tmp_path):
+    with pytest.raises(UsageError, match="no model state dict"):
+        checkpoint.model_state({"step": 3}, "x.pt")

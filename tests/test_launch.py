@@ -1,0 +1,128 @@
+"""`ddpjob launch`: scheduler detection from each scheduler's real env shape, and real launches."""
+
+import subprocess
+
+import pytest
+
+from conftest import FAST, PY, clean_env, ddpjob, free_port, ok
+from ddpjob import config, launch
+from ddpjob.errors import UsageError
+
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_LOCALID": "0",
+    "SLURMD_NODENAME": "node2",
+}
+KUBEFLOW = {
+    "PET_NNODES": "3",
+    "PET_NPROC_PER_NODE": "2",
+    "PET_NODE_RANK": "2",
+    "PET_MASTER_ADDR": "train-master-0",
+    "PET_MASTER_PORT": "23456",
+    "MASTER_ADDR": "train-master-0",
+    "MASTER_PORT": "23456",
+    "RANK": "2",
+    "WORLD_SIZE": "3",
+}
+INDEXED = {"JOB_COMPLETION_INDEX": "1", "JOB_NAME": "ddpjob", "JOB_SERVICE": "ddpjob-nodes", "DDPJOB_NNODES": "2"}
+
+
+def plan_for(env, argv=()):
+    parser = config.make_parser("t", "t")
+    config.add_config_flags(parser)
+    cfg = config.load(parser.parse_args(list(argv)), env)
+    return cfg, launch.resolve_plan(cfg, env, cuda_devices=0)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (SLURM, ("slurm", 2, 1, "node1:24242", "slurm-4242", 1)),
+        (KUBEFLOW, ("kubeflow", 3, 2, "train-master-0:23456", "ddpjob", 2)),
+        (INDEXED, ("kubernetes", 2, 1, "ddpjob-0.ddpjob-nodes:29500", "ddpjob", 1)),
+        ({}, ("plain", 1, 0, "", "ddpjob", 1)),
+        (
+            {"DDPJOB_NNODES": "2", "DDPJOB_NODE_RANK": "1", "DDPJOB_RDZV_ENDPOINT": "node0"},
+            ("plain", 2, 1, "node0:29500", "ddpjob", 1),
+        ),
+    ],
+)
+def test_detects_each_scheduler_from_its_env(env, expected):
+    _, plan = plan_for(env)
+    assert (plan.scheduler, plan.nnodes, plan.node_rank, plan.endpoint, plan.rdzv_id, plan.nproc_per_node) == expected
+
+
+def test_flags_override_detected_values():
+    _, plan = plan_for(SLURM, ["--nproc-per-node", "4", "--rdzv-endpoint", "10.0.0.9:1234"])
+    assert (plan.nproc_per_node, plan.endpoint, plan.scheduler) == (4, "10.0.0.9:1234", "slurm")
+
+
+def test_torchrun_arguments_for_a_multi_node_job():
+    cfg, plan = plan_for(SLURM, ["--max-restarts", "3", "--rdzv-timeout", "60"])
+    args = launch.torchrun_args(cfg, plan, ["--epochs", "1"])
+    assert "--nnodes=2" in args and "--rdzv-backend=c10d" in args and "--rdzv-endpoint=node1:24242" in args
+    assert "--max-restarts=3" in args and "--rdzv-conf=is_host=0,join_timeout=60,read_timeout=60" in args
+    assert any(a.startswith("--signals-to-handle=") and "SIGUSR1" in a for a in args)
+    assert args[-5:] == ["-m", "ddpjob", "train", "--epochs", "1"]
+
+
+def test_single_node_without_endpoint_is_standalone():
+    cfg, plan = plan_for({})
+    assert "--standalone" in launch.torchrun_args(cfg, plan, [])
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"JOB_COMPLETION_INDEX": "0", "JOB_NAME": "j"}, ["JOB_SERVICE", "manifest"]),
+        (
+            {"JOB_COMPLETION_INDEX": "3", "JOB_NAME": "j", "JOB_SERVICE": "s", "DDPJOB_NNODES": "2"},
+            ["node rank 3", "2 nodes"],
+        ),
+        ({"DDPJOB_NNODES": "2"}, ["rendezvous endpoint", "--rdzv-endpoint"]),
+        ({**SLURM, "SLURM_NNODES": "two"}, ["SLURM_NNODES='two'"]),
+    ],
+)
+def test_bad_scheduler_env_is_a_one_line_error(env, words):
+    with pytest.raises(UsageError) as err:
+        plan_for(env)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_dry_run_prints_the_command_and_the_reason(work):
+    out = ok(ddpjob(["launch", "--dry-run", "--epochs", "1"], work, **INDEXED))
+    assert "scheduler=kubernetes" in out and "JOB_COMPLETION_INDEX" in out
+    assert "torchrun --nproc-per-node=1" in out and "-m ddpjob train --epochs 1" in out
+
+
+@pytest.mark.slow
+def test_launch_runs_two_nodes_on_loopback(work):
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [PY, "-m", "ddpjob", "launch", *FAST],
+            cwd=work,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=clean_env(DDPJOB_NNODES="2", DDPJOB_NODE_RANK=str(n), DDPJOB_RDZV_ENDPOINT=f"127.0.0.1:{port}"),
+        )
+        for n in range(2)
+    ]
+    outs = [n.communicate(timeout=180)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert sum("done:" in o for o in outs) == 1
+    assert (work / "runs/ddpjob/logs/node0").is_dir() and (work / "runs/ddpjob/logs/node1").is_dir()
+
+
+@pytest.mark.slow
+def test_launch_exits_with_the_workers_bad_input_code(work):
+    proc = ddpjob(["launch", "--model", "no.such.module:model"], work)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot import 'no.such.module'" in proc.stderr
