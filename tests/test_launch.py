@@ -1,5 +1,6 @@
 """`ddpjob launch`: scheduler detection from each scheduler's real env shape, and real launches."""
 
+import socket
 import subprocess
 
 import pytest
@@ -46,6 +47,7 @@ def plan_for(env, argv=()):
         (KUBEFLOW, ("kubeflow", 3, 2, "train-master-0:23456", "ddpjob", 2)),
         (INDEXED, ("kubernetes", 2, 1, "ddpjob-0.ddpjob-nodes:29500", "ddpjob", 1)),
         ({}, ("plain", 1, 0, "", "ddpjob", 1)),
+    ({"DDPJOB_NNODES": "3", "DDPJOB_RDZV_ENDPOINT": "job-node-1"}, ("plain", 3, None, "job-node-1:29500", "ddpjob", 1)),
         (
             {"DDPJOB_NNODES": "2", "DDPJOB_NODE_RANK": "1", "DDPJOB_RDZV_ENDPOINT": "node0"},
             ("plain", 2, 1, "node0:29500", "ddpjob", 1),
@@ -69,6 +71,11 @@ def test_torchrun_arguments_for_a_multi_node_job():
     assert "--max-restarts=3" in args and "--rdzv-conf=is_host=0,join_timeout=60,read_timeout=60" in args
     assert any(a.startswith("--signals-to-handle=") and "SIGUSR1" in a for a in args)
     assert args[-5:] == ["-m", "ddpjob", "train", "--epochs", "1"]
+
+
+def test_replicated_nodes_let_torchrun_find_the_rendezvous_host():
+    cfg, plan = plan_for({"DDPJOB_NNODES": "3", "DDPJOB_RDZV_ENDPOINT": "job-node-1"})
+    assert "--rdzv-conf=join_timeout=300,read_timeout=300" in launch.torchrun_args(cfg, plan, [])
 
 
 def test_single_node_without_endpoint_is_standalone():
@@ -118,7 +125,7 @@ def test_launch_runs_two_nodes_on_loopback(work):
     outs = [n.communicate(timeout=180)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
     assert sum("done:" in o for o in outs) == 1
-    assert (work / "runs/ddpjob/logs/node0").is_dir() and (work / "runs/ddpjob/logs/node1").is_dir()
+    assert (work / "runs/ddpjob/logs" / socket.gethostname()).is_dir()
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -36,7 +37,7 @@ class Plan:
     scheduler: str
     why: str
     nnodes: int
-    node_rank: int
+    node_rank: int | None  # None: assigned at rendezvous (replicated compose service)
     endpoint: str  # host:port of the rendezvous, "" for a standalone single node
     rdzv_id: str
     nproc_per_node: int
@@ -109,7 +110,7 @@ def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
             cuda_devices or 1,
         )
     return Plan(
-        "plain", "no scheduler env found; using flags / DDPJOB_* settings", 1, 0, "", "ddpjob", cuda_devices or 1
+        "plain", "no scheduler env found; using flags / DDPJOB_* settings", 1, None, "", "ddpjob", cuda_devices or 1
     )
 
 
@@ -125,7 +126,9 @@ def resolve_plan(cfg: config.Config, env: Mapping[str, str], cuda_devices: int) 
         plan.rdzv_id = cfg.rdzv_id
     if cfg.nproc_per_node:
         plan.nproc_per_node = cfg.nproc_per_node
-    if not 0 <= plan.node_rank < plan.nnodes:
+    if plan.node_rank is None and plan.nnodes == 1:
+        plan.node_rank = 0
+    if plan.node_rank is not None and not 0 <= plan.node_rank < plan.nnodes:
         raise UsageError(f"node rank {plan.node_rank} is outside the {plan.nnodes} nodes; check --node-rank / --nnodes")
     if plan.nnodes > 1 and not plan.endpoint.split(":")[0]:
         raise UsageError(
@@ -134,8 +137,12 @@ def resolve_plan(cfg: config.Config, env: Mapping[str, str], cuda_devices: int) 
     return plan
 
 
+def node_name(plan: Plan) -> str:
+    return f"{plan.node_rank if plan.node_rank is not None else '?'} ({socket.gethostname()})"
+
+
 def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> list[str]:
-    log_dir = os.path.join(cfg.run_dir, "logs", f"node{plan.node_rank}")
+    log_dir = os.path.join(cfg.run_dir, "logs", socket.gethostname())
     args = [
         f"--nproc-per-node={plan.nproc_per_node}",
         f"--max-restarts={cfg.max_restarts}",
@@ -145,13 +152,15 @@ def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> 
     if plan.nnodes == 1 and not plan.endpoint:
         args += ["--standalone"]
     else:
-        is_host = int(plan.node_rank == 0)
+        # Node 0 hosts the rendezvous store. With no node rank known (replicated compose service),
+        # torchrun matches the endpoint against this host's names and addresses instead.
+        host = "" if plan.node_rank is None else f"is_host={int(plan.node_rank == 0)},"
         args += [
             f"--nnodes={plan.nnodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={plan.endpoint}",
             f"--rdzv-id={plan.rdzv_id}",
-            f"--rdzv-conf=is_host={is_host},join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}",
+            f"--rdzv-conf={host}join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}",
         ]
     return [*args, "-m", "ddpjob", "train", *train_argv]
 
@@ -194,21 +203,21 @@ def run_torchrun(cmd: list[str], plan: Plan) -> int:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         print(
-            f"[ddpjob] launch: node {plan.node_rank}: worker rank {rank} exited with {code}",
+            f"[ddpjob] launch: node {node_name(plan)}: worker rank {rank} exited with {code}",
             file=sys.stderr,
             flush=True,
         )
         return code
     except SignalException as exc:
         print(
-            f"[ddpjob] launch: node {plan.node_rank}: got {exc.sigval.name}; workers checkpointed and stopped",
+            f"[ddpjob] launch: node {node_name(plan)}: got {exc.sigval.name}; workers checkpointed and stopped",
             file=sys.stderr,
             flush=True,
         )
         return EXIT_PREEMPTED
     except RendezvousError as exc:
         print(
-            f"[ddpjob] launch: node {plan.node_rank}: rendezvous at {plan.endpoint} failed for {plan.nnodes} nodes: "
+            f"[ddpjob] launch: node {node_name(plan)}: rendezvous at {plan.endpoint} failed for {plan.nnodes} nodes: "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; check that every node started and can "
             f"reach {plan.endpoint}",
             file=sys.stderr,
