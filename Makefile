@@ -23,6 +23,8 @@ lint: setup
 	$(BIN)/ruff check src tests examples bench
 	$(BIN)/ruff format --check src tests examples bench
 	$(BIN)/mypy src
+	$(BIN)/hadolint docker/Dockerfile
+	$(BIN)/shellcheck slurm/*.sbatch docker/*.sh tests/e2e/*.sh .ci/run
 
 unit: setup
 	$(BIN)/pytest -q

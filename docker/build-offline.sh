@@ -12,8 +12,8 @@ base=${2:-python:3.11-slim-bookworm}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
 pip=${PIP:-python3 -m pip}
 mkdir -p wheelhouse
-# shellcheck disable=SC2086
-rm -f wheelhouse/ddpjob-*.whl
+rm -f wheelhouse/ddpjob-*.whl  # always this checkout's code
+# shellcheck disable=SC2086  # $pip and the torch spec may be several words
 $pip wheel --quiet --wheel-dir wheelhouse $torch_spec .
 DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} docker build --file docker/Dockerfile --tag "$tag" \
     --build-arg BASE_IMAGE="$base" --build-arg TORCH_SPEC="$torch_spec" .

@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 
-from conftest import FAST, PY, clean_env, ddpjob, free_port, ok
 from ddpjob import config, launch
 from ddpjob.errors import UsageError
+from helpers import FAST, PY, clean_env, ddpjob, free_port, ok
 
 SLURM = {
     "SLURM_JOB_ID": "4242",
@@ -33,6 +33,12 @@ KUBEFLOW = {
 INDEXED = {"JOB_COMPLETION_INDEX": "1", "JOB_NAME": "ddpjob", "JOB_SERVICE": "ddpjob-nodes", "DDPJOB_NNODES": "2"}
 
 
+@pytest.fixture
+def no_scontrol(monkeypatch):
+    """Without scontrol the head node keeps its name; the Slurm e2e test covers the lookup of its address."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+
+
 def plan_for(env, argv=()):
     parser = config.make_parser("t", "t")
     config.add_config_flags(parser)
@@ -47,14 +53,17 @@ def plan_for(env, argv=()):
         (KUBEFLOW, ("kubeflow", 3, 2, "train-master-0:23456", "ddpjob", 2)),
         (INDEXED, ("kubernetes", 2, 1, "ddpjob-0.ddpjob-nodes:29500", "ddpjob", 1)),
         ({}, ("plain", 1, 0, "", "ddpjob", 1)),
-    ({"DDPJOB_NNODES": "3", "DDPJOB_RDZV_ENDPOINT": "job-node-1"}, ("plain", 3, None, "job-node-1:29500", "ddpjob", 1)),
+        (
+            {"DDPJOB_NNODES": "3", "DDPJOB_RDZV_ENDPOINT": "job-node-1"},
+            ("plain", 3, None, "job-node-1:29500", "ddpjob", 1),
+        ),
         (
             {"DDPJOB_NNODES": "2", "DDPJOB_NODE_RANK": "1", "DDPJOB_RDZV_ENDPOINT": "node0"},
             ("plain", 2, 1, "node0:29500", "ddpjob", 1),
         ),
     ],
 )
-def test_detects_each_scheduler_from_its_env(env, expected):
+def test_detects_each_scheduler_from_its_env(env, expected, no_scontrol):
     _, plan = plan_for(env)
     assert (plan.scheduler, plan.nnodes, plan.node_rank, plan.endpoint, plan.rdzv_id, plan.nproc_per_node) == expected
 
@@ -64,7 +73,7 @@ def test_flags_override_detected_values():
     assert (plan.nproc_per_node, plan.endpoint, plan.scheduler) == (4, "10.0.0.9:1234", "slurm")
 
 
-def test_torchrun_arguments_for_a_multi_node_job():
+def test_torchrun_arguments_for_a_multi_node_job(no_scontrol):
     cfg, plan = plan_for(SLURM, ["--max-restarts", "3", "--rdzv-timeout", "60"])
     args = launch.torchrun_args(cfg, plan, ["--epochs", "1"])
     assert "--nnodes=2" in args and "--rdzv-backend=c10d" in args and "--rdzv-endpoint=node1:24242" in args

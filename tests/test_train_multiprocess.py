@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FAST, PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, torchrun
+from helpers import FAST, PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, torchrun
 
 pytestmark = pytest.mark.slow
 

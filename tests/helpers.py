@@ -1,0 +1,73 @@
+"""Helpers to run ddpjob as real processes: the CLI, torchrun, and several agents as nodes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+FAST = ["--epochs", "2", "--log-every", "1000"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's env minus anything that would make a child think it is distributed."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("DDPJOB_", "SLURM_", "PET_"))}
+    env["PYTHONPATH"] = str(REPO)  # for the examples.tutorial plug-in
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def ddpjob(args: Sequence[str], cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "ddpjob", *args], cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def torchrun(
+    args: Sequence[str], cwd: Path, nproc: int = 2, timeout: float = 180, **env: str
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "ddpjob",
+        "train",
+        *args,
+    ]
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    from ddpjob import checkpoint
+
+    newest = checkpoint.list_steps(run_dir / "checkpoints")[0][1]
+    return checkpoint.read(newest)["model"]
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"

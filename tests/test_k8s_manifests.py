@@ -1,0 +1,104 @@
+"""Kubernetes manifests: each variant renders with kustomize and validates against the official
+schemas (and the Kubeflow / JobSet CRD schemas); security and failure policies are as documented."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+K8S_VERSION = "1.33.0"
+VARIANTS = ["overlays/cpu", "overlays/gpu", "kubeflow", "jobset"]
+CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "JobSet": "jobset.x-k8s.io_jobsets.yaml"}
+
+
+def render(variant: str) -> list[dict]:
+    assert shutil.which("kubectl"), "kubectl (with kustomize) is needed to render k8s/; install the kubectl client"
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(REPO / "k8s" / variant)], capture_output=True, text=True, check=True
+    )
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def crd_schema(kind: str, version: str) -> dict:
+    crd = yaml.safe_load((REPO / "tests/data/crds" / CRDS[kind]).read_text())
+    return next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version)
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    spec = obj["spec"]
+    if obj["kind"] == "Job":
+        return [spec["template"]["spec"]]
+    if obj["kind"] == "PyTorchJob":
+        return [r["template"]["spec"] for r in spec["pytorchReplicaSpecs"].values()]
+    if obj["kind"] == "JobSet":
+        return [r["template"]["spec"]["template"]["spec"] for r in spec["replicatedJobs"]]
+    return []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_rendered_object_validates_against_its_schema(variant):
+    objects = render(variant)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CRDS:
+            jsonschema.validate(obj, crd_schema(obj["kind"], obj["apiVersion"].split("/")[1]))
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_run_as_non_root_without_privilege(variant):
+    pods = [p for obj in render(variant) for p in pod_specs(obj)]
+    assert pods
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc.get("privileged") is not True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert c["resources"]["requests"] and c["resources"]["limits"]
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+
+
+@pytest.mark.parametrize("variant", ["overlays/cpu", "overlays/gpu"])
+def test_indexed_job_names_its_nodes_through_a_headless_service(variant):
+    objects = {obj["kind"]: obj for obj in render(variant)}
+    job, service = objects["Job"], objects["Service"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert int(env["DDPJOB_NNODES"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"] == env["JOB_SERVICE"]["value"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+
+
+def test_job_fails_fast_on_bad_input_and_retries_preemption():
+    job = next(o for o in render("overlays/cpu") if o["kind"] == "Job")
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "ddpjob", "operator": "In", "values": [2]}} in rules
+    assert any(r["action"] == "Ignore" and r["onPodConditions"][0]["type"] == "DisruptionTarget" for r in rules)
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_gpu_overlay_requests_gpus_and_the_cuda_image():
+    job = next(o for o in render("overlays/gpu") if o["kind"] == "Job")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert container["image"] == "ddpjob:cuda"
+
+
+def test_schema_validation_rejects_a_broken_manifest():
+    job = next(o for o in render("overlays/cpu") if o["kind"] == "Job")
+    job["spec"]["completionMode"] = 7
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    pytorchjob = render("kubeflow")[-1]
+    pytorchjob["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(pytorchjob, crd_schema("PyTorchJob", "v1"))
