@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 NPROC  ?= 2
 
-.PHONY: setup run test lint unit e2e bench clean
+.PHONY: setup run test lint unit e2e e2e-down bench clean
 
 setup: $(VENV)/.done
 $(VENV)/.done: pyproject.toml
@@ -35,6 +35,9 @@ test: lint unit
 e2e: setup
 	bash tests/e2e/provision.sh
 	$(BIN)/pytest -q -m e2e tests/e2e
+
+e2e-down:
+	bash tests/e2e/teardown.sh
 
 clean:
 	rm -rf $(VENV) runs .e2e

@@ -6,14 +6,21 @@ import shutil
 import subprocess
 
 import pytest
+
 from e2e import REPO, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 def sbatch(env, *args):
-    out = subprocess.run(["sbatch", "--parsable", "slurm/train.sbatch", *args], cwd=REPO, env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["sbatch", "--parsable", "slurm/train.sbatch", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().split(";")[0]
 
 
