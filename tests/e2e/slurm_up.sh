@@ -38,7 +38,7 @@ done
 echo "nameserver 127.0.0.1" > "$state/resolv.conf"
 
 # munge: one key and daemon for all nodes (same filesystem).
-if [ ! -S "$state/munge.sock" ] || ! munge -s "$state/munge.sock" -n >/dev/null 2>&1; then
+if [ ! -S "$state/munge.sock" ] || ! munge --socket="$state/munge.sock" -n >/dev/null 2>&1; then
     [ -f "$state/munge.key" ] || { head -c 1024 /dev/urandom > "$state/munge.key"; chmod 400 "$state/munge.key"; }
     munged --force --socket="$state/munge.sock" --key-file="$state/munge.key" --pid-file="$state/munged.pid" \
         --log-file="$state/log/munged.log" --seed-file="$state/munge.seed"
