@@ -20,8 +20,8 @@ run: setup
 	$(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) -m ddpjob train --device cpu $(ARGS)
 
 lint: setup
-	$(BIN)/ruff check src tests examples bench
-	$(BIN)/ruff format --check src tests examples bench
+	$(BIN)/ruff check src tests examples $(wildcard bench)
+	$(BIN)/ruff format --check src tests examples $(wildcard bench)
 	$(BIN)/mypy src
 	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/shellcheck slurm/*.sbatch docker/*.sh tests/e2e/*.sh .ci/run

@@ -51,6 +51,12 @@ class Config:
     metrics: str = _opt("", "JSON-lines metrics file, appended (default: RUN_DIR/metrics.jsonl)")
     save_every: int = _opt(100, "save a checkpoint every N optimizer steps (0: only at the end)")
     keep: int = _opt(3, "keep the newest K checkpoints")
+    save_mode: str = _opt(
+        "sync", "async: the loop waits only for a copy to CPU memory; a thread writes", ("sync", "async")
+    )
+    on_save_error: str = _opt(
+        "fail", "fail: exit 3 when a checkpoint cannot be written; warn: log and go on", ("fail", "warn")
+    )
     resume: str = _opt("auto", "auto: newest valid checkpoint in CHECKPOINT_DIR; never; or a checkpoint PATH")
     init_from: str = _opt("", "load model weights only from PATH (ddpjob checkpoint or any state dict)")
     log_every: int = _opt(10, "log a line every N steps on rank 0")
@@ -63,6 +69,7 @@ class Config:
     rdzv_id: str = _opt("", "rendezvous id shared by all nodes (default: the scheduler's job id)")
     rdzv_timeout: int = _opt(300, "seconds to wait for all nodes at rendezvous")
     max_restarts: int = _opt(0, "restarts of the worker group after a failure")
+    shutdown_timeout: int = _opt(120, "seconds torchrun waits after a stop signal for workers to checkpoint and exit")
 
     @property
     def checkpoint_path(self) -> Path:
@@ -153,7 +160,16 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
 
 
 def validate(cfg: Config) -> None:
-    positive = ("epochs", "batch_size", "grad_accum", "keep", "log_every", "stop_check_every", "rdzv_timeout")
+    positive = (
+        "epochs",
+        "batch_size",
+        "grad_accum",
+        "keep",
+        "log_every",
+        "stop_check_every",
+        "rdzv_timeout",
+        "shutdown_timeout",
+    )
     for name in positive:
         if getattr(cfg, name) < 1:
             raise UsageError(f"{flag(name)} must be at least 1, got {getattr(cfg, name)}")

@@ -148,6 +148,7 @@ def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> 
         f"--max-restarts={cfg.max_restarts}",
         f"--log-dir={log_dir}",
         f"--signals-to-handle={HANDLED_SIGNALS}",
+        f"--shutdown-timeout={cfg.shutdown_timeout}",
     ]
     if plan.nnodes == 1 and not plan.endpoint:
         args += ["--standalone"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from ddpjob import checkpoint, rng
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
-from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, UsageError, exit_code_for
+from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, StorageError, UsageError, exit_code_for
 from ddpjob.metrics import Metrics
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal
@@ -180,36 +182,96 @@ def evaluate(
     return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
 
 
+def cpu_snapshot(obj: Any) -> Any:
+    """A copy of a (nested) state dict with every tensor copied to CPU memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(cpu_snapshot(v) for v in obj)
+    return obj
+
+
 class Checkpointer:
-    """Saves the Stateful objects of the run; rank 0 writes, every rank waits for the result."""
+    """Saves the Stateful objects of the run. Rank 0 writes; every rank learns whether it worked.
+
+    ``--save-mode async`` blocks the loop only for the copy of the state to CPU memory; a
+    background thread serialises and writes it (same atomic file + manifest), one save at a time.
+    """
 
     def __init__(self, cfg: Config, env: DistEnv, **stateful: Any) -> None:
         self.cfg, self.env, self.stateful = cfg, env, stateful
         self.last_saved = -1
+        self.writer = ThreadPoolExecutor(1, "ddpjob-save") if cfg.save_mode == "async" and env.is_main else None
+        self.pending: Future[None] | None = None
 
     def save(self, step: int) -> None:
         rng_states: list[Any] = [rng.get_state()]
         if dist.is_initialized() and self.env.world_size > 1:
             rng_states = [None] * self.env.world_size
             dist.all_gather_object(rng_states, rng.get_state())
+        error = ""
         if self.env.is_main:
-            state = {name: obj.state_dict() for name, obj in self.stateful.items()}
-            state["model"] = checkpoint.unwrap(self.stateful["model"]).state_dict()
-            state.update(
-                format=checkpoint.FORMAT,
-                step=step,
-                rng=rng_states,
-                config=self.cfg.to_dict(),
-                world_size=self.env.world_size,
-                torch_version=str(torch.__version__),
-            )
-            path = checkpoint.path_for(self.cfg.checkpoint_path, step)
-            checkpoint.save(state, path)
-            checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
-            print(f"[ddpjob] saved {path}", flush=True)
-        if dist.is_initialized() and self.env.world_size > 1:
-            dist.barrier()
+            try:
+                self._wait()  # at most one save in flight
+                state = {name: obj.state_dict() for name, obj in self.stateful.items()}
+                state["model"] = checkpoint.unwrap(self.stateful["model"]).state_dict()
+                state.update(
+                    format=checkpoint.FORMAT,
+                    step=step,
+                    rng=rng_states,
+                    config=self.cfg.to_dict(),
+                    world_size=self.env.world_size,
+                    torch_version=str(torch.__version__),
+                )
+                if self.writer:
+                    self.pending = self.writer.submit(self._write, cpu_snapshot(state), step)
+                else:
+                    self._write(state, step)
+            except StorageError as exc:
+                error = str(exc)
+        self._agree(error)
         self.last_saved = step
+
+    def close(self) -> None:
+        """Wait for a save in flight; every rank learns whether it worked."""
+        error = ""
+        if self.writer:
+            try:
+                self._wait()
+            except StorageError as exc:
+                error = str(exc)
+            self.writer.shutdown()
+        self._agree(error)
+
+    def _write(self, state: dict[str, Any], step: int) -> None:
+        path = checkpoint.path_for(self.cfg.checkpoint_path, step)
+        checkpoint.save(state, path)
+        checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
+        print(f"[ddpjob] saved {path}", flush=True)
+
+    def _wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending:
+            pending.result()
+
+    def _agree(self, error: str) -> None:
+        """Rank 0 tells everyone how its save went (also the barrier after a save)."""
+        if dist.is_initialized() and self.env.world_size > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if not error:
+            return
+        if self.cfg.on_save_error == "fail":
+            raise StorageError(error)
+        if self.env.is_main:
+            print(
+                f"[ddpjob] WARNING: checkpoint NOT saved, training goes on (--on-save-error warn): {error}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def run(cfg: Config, env: DistEnv) -> int:
@@ -327,8 +389,10 @@ def train(
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
                     checkpointer.save(progress.step)
-                if stop.agreed(progress.step):
-                    checkpointer.save(progress.step)
+                if stop.agreed(progress.step):  # a signal: checkpoint, then exit "requeue me"
+                    if checkpointer.last_saved != progress.step:
+                        checkpointer.save(progress.step)
+                    checkpointer.close()
                     metrics.write(event="preempted", step=progress.step, signal=stop.received)
                     exit_code = EXIT_PREEMPTED
                     return exit_code
@@ -348,6 +412,7 @@ def train(
 
         if checkpointer.last_saved != progress.step:
             checkpointer.save(progress.step)
+        checkpointer.close()
         final = evaluate(checkpoint.unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
         params = check_replicas_equal(checkpoint.unwrap(model), env)
         if env.is_main:
