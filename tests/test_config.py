@@ -35,8 +35,9 @@ def test_env_file_flag_replaces_dot_env(tmp_path, monkeypatch):
     assert load(["--env-file", "other.env"]).epochs == 5
 
 
-def test_env_example_documents_every_key():
+def test_env_example_documents_every_key_with_its_default():
     example = (config.Path(__file__).resolve().parents[1] / ".env.example").read_text()
+    assert example == config.render_env(config.Config()), "regenerate: ddpjob config > .env.example"
     for name in config.FIELDS:
         assert f"DDPJOB_{name.upper()}=" in example, name
 
@@ -76,7 +77,8 @@ def test_unknown_key_in_dotenv_names_the_file(tmp_path, monkeypatch):
 def test_non_ddpjob_keys_in_dotenv_reach_the_environment_without_overriding(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")  # so that monkeypatch removes what load() exports
     (tmp_path / ".env").write_text("GLOO_SOCKET_IFNAME=eth1\nNCCL_DEBUG=INFO\n")
     parser = config.make_parser("t", "t")
     config.add_config_flags(parser)

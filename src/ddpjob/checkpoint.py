@@ -64,11 +64,19 @@ class _CrcWriter:
 
     def __init__(self, f: IO[bytes]) -> None:
         self.f, self.crc, self.size = f, 0, 0
+        self.error: OSError | None = None  # torch.save turns our OSError into a vague RuntimeError
 
     def write(self, data: bytes) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
-        return self.f.write(data)
+        view = memoryview(data)
+        try:
+            while view:  # an unbuffered file may take part of it; ENOSPC raises OSError here
+                view = view[self.f.write(view) or 0 :]
+        except OSError as exc:
+            self.error = exc
+            raise
+        return len(data)
 
     def flush(self) -> None:
         self.f.flush()
@@ -85,26 +93,28 @@ def _fsync_dir(directory: Path) -> None:
 def save(obj: Any, path: Path) -> None:
     """Write obj to path atomically: temp file, fsync, rename, then the manifest, fsync dir."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer: _CrcWriter | None = None
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", buffering=0) as f:
             writer = _CrcWriter(f)
             torch.save(obj, writer)  # type: ignore[arg-type]
-            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         manifest = json.dumps({"format": FORMAT, "size": writer.size, "crc32": writer.crc})
         mtmp = manifest_path(tmp)
-        with open(mtmp, "w") as f:
-            f.write(manifest)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(mtmp, "w") as mf:
+            mf.write(manifest)
+            mf.flush()
+            os.fsync(mf.fileno())
         os.replace(mtmp, manifest_path(path))
         _fsync_dir(path.parent)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         for leftover in (tmp, manifest_path(tmp)):
             leftover.unlink(missing_ok=True)
+        cause = (writer.error if writer and writer.error else None) or exc
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0]
         raise StorageError(
-            f"cannot write checkpoint {path}: {exc.strerror or exc}; free space or fix permissions of {path.parent}"
+            f"cannot write checkpoint {path}: {reason}; free space or fix permissions of {path.parent}"
         ) from None
 
 
@@ -167,7 +177,7 @@ def read(path: Path | str, map_location: str | torch.device = "cpu", mmap: bool 
             f"{path} was refused by torch.load(weights_only=True): {lines[0].strip()[:160]}; "
             "it holds code, not just tensors - re-save it as a plain state dict"
         ) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+    except Exception as exc:  # any other failure to parse: truncated, zip damage, not a pickle
         if mmap and "mmap" in str(exc):  # legacy (non-zip) format files cannot be memory-mapped
             return read(path, map_location, mmap=False)
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__

@@ -2,6 +2,7 @@
 
 - ``train``: the worker; runs under torchrun, srun, a plain RANK/WORLD_SIZE env, or alone.
 - ``launch``: the node agent every launcher calls; starts torchrun with derived arguments.
+- ``config``: the resolved config as a .env file (``.env.example`` is its output with defaults).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ def _train(argv: Sequence[str]) -> int:
     return train.run(cfg, env)
 
 
+def _config(argv: Sequence[str]) -> int:
+    parser = config.make_parser("ddpjob config", "Print the resolved config as a .env file.")
+    config.add_config_flags(parser)
+    print(config.render_env(config.load(parser.parse_args(argv))), end="")
+    return 0
+
+
 def _launch(argv: Sequence[str]) -> int:
     from ddpjob import launch
 
@@ -34,6 +42,7 @@ def _launch(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (_train, "run the training worker (under torchrun, srun, or alone)"),
     "launch": (_launch, "start this node's workers with torchrun (what every launcher calls)"),
+    "config": (_config, "print the resolved config (defaults < .env < DDPJOB_* < flags) as a .env file"),
 }
 
 

@@ -193,6 +193,28 @@ def validate(cfg: Config) -> None:
             raise UsageError(f"{flag(name)} {path}: no such checkpoint file; check the path")
 
 
+_SECTIONS = {
+    "model": "What to train",
+    "run_dir": "Where results go (checkpoints, metrics, logs)",
+    "nnodes": "Node level: read by `ddpjob launch`",
+}
+
+
+def render_env(cfg: Config) -> str:
+    """cfg as a commented .env file (`ddpjob config` prints it; .env.example is its defaults)."""
+    lines = [
+        "# ddpjob settings. Copy to .env and edit: defaults < .env < DDPJOB_* environment < command-line flags.",
+        "# Each DDPJOB_FOO_BAR is also the flag --foo-bar. Other keys here (NCCL_*, GLOO_SOCKET_IFNAME, ...)",
+        "# are exported to the job unless already set in the environment.",
+    ]
+    for name, f in FIELDS.items():
+        if name in _SECTIONS:
+            lines += ["", f"# --- {_SECTIONS[name]}"]
+        choices = f" ({'|'.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+        lines += [f"# {f.metadata['help']}{choices}", f"DDPJOB_{name.upper()}={getattr(cfg, name)}"]
+    return "\n".join(lines) + "\n"
+
+
 def print_config(cfg: Config, stream: Any = sys.stdout) -> None:
     items = " ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
     print(f"[ddpjob] config: {items}", file=stream, flush=True)

@@ -15,12 +15,14 @@ Detection, first match wins; explicit flags / DDPJOB_* settings override any det
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -188,10 +190,16 @@ def main(argv: Sequence[str]) -> int:
     print("[ddpjob] launch: torchrun " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    return run_torchrun(cmd, plan)
+    record_attempt(cfg, plan, event="start")
+    code, reason = run_torchrun(cmd, plan)
+    record_attempt(cfg, plan, event="end", exit_code=code, reason=reason)
+    if code:
+        print(f"[ddpjob] launch: node {node_name(plan)}: {reason}", file=sys.stderr, flush=True)
+    return code
 
 
-def run_torchrun(cmd: list[str], plan: Plan) -> int:
+def run_torchrun(cmd: list[str], plan: Plan) -> tuple[int, str]:
+    """Run torchrun in this process; (exit code, reason in one line)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -203,26 +211,29 @@ def run_torchrun(cmd: list[str], plan: Plan) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-        print(
-            f"[ddpjob] launch: node {node_name(plan)}: worker rank {rank} exited with {code}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return code
+        return code, f"worker rank {rank} exited with {code}"
     except SignalException as exc:
-        print(
-            f"[ddpjob] launch: node {node_name(plan)}: got {exc.sigval.name}; workers checkpointed and stopped",
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_PREEMPTED
+        return EXIT_PREEMPTED, f"got {exc.sigval.name}; workers checkpointed and stopped (exit {EXIT_PREEMPTED})"
     except RendezvousError as exc:
-        print(
-            f"[ddpjob] launch: node {node_name(plan)}: rendezvous at {plan.endpoint} failed for {plan.nnodes} nodes: "
-            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; check that every node started and can "
-            f"reach {plan.endpoint}",
-            file=sys.stderr,
-            flush=True,
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return EXIT_FAILED, (
+            f"rendezvous at {plan.endpoint} for {plan.nnodes} nodes failed: {detail}; not all nodes arrived "
+            f"within the rendezvous timeout: check that every node started and can reach {plan.endpoint}"
         )
-        return EXIT_FAILED
-    return 0
+    return 0, "finished"
+
+
+def record_attempt(cfg: config.Config, plan: Plan, **fields: object) -> None:
+    """One line per node and attempt in RUN_DIR/attempts.jsonl (appended, never truncated)."""
+    path = os.path.join(cfg.run_dir, "attempts.jsonl")
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    record = {
+        "time": round(time.time(), 3),
+        "host": socket.gethostname(),
+        "node_rank": plan.node_rank,
+        "scheduler": plan.scheduler,
+        "requeue": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+        **fields,
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

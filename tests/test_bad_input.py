@@ -1,0 +1,125 @@
+"""Bad input of every kind: one line naming the problem and the fix, exit code 2, nothing written.
+
+Each case runs the real CLI entry point (`ddpjob.cli.main`) in-process with its env and files."""
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from ddpjob import checkpoint, cli
+from ddpjob.plugins import digits_mlp
+
+DIST = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def make_files(d):
+    (d / "text.pt").write_text("this is not a checkpoint")
+    (d / "evil.pt").write_bytes(pickle.dumps({"model": Evil()}, protocol=2))
+    torch.save({"0.weight": torch.zeros(10, 10), "0.bias": torch.zeros(10)}, d / "other_model.pt")
+    torch.save({"step": 3}, d / "no_weights.pt")
+    checkpoint.save({"model": digits_mlp().state_dict()}, d / "cut.pt")
+    (d / "cut.pt").write_bytes((d / "cut.pt").read_bytes()[:-50])
+    (d / "a_file").write_text("x")
+
+
+CASES = [
+    # (name, argv, env, words in the message)
+    ("rank not a number", ["train"], {**DIST, "RANK": "abc"}, ["RANK='abc'", "not an integer"]),
+    ("rank outside world", ["train"], {**DIST, "RANK": "5"}, ["RANK=5", "outside", "0..1"]),
+    ("no master address", ["train"], {"RANK": "0", "WORLD_SIZE": "2"}, ["MASTER_ADDR", "export"]),
+    ("port out of range", ["train"], {**DIST, "MASTER_PORT": "99999"}, ["MASTER_PORT=99999", "1..65535"]),
+    ("local rank too big", ["train"], {**DIST, "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, ["LOCAL_RANK=3"]),
+    (
+        "slurm procid too big",
+        ["train"],
+        {"SLURM_PROCID": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"},
+        ["SLURM_PROCID=2"],
+    ),
+    ("env setting not a number", ["train"], {"DDPJOB_EPOCHS": "ten"}, ["DDPJOB_EPOCHS='ten'", "not an integer"]),
+    ("unknown env setting", ["train"], {"DDPJOB_EPOCS": "3"}, ["unknown setting DDPJOB_EPOCS", ".env.example"]),
+    ("unknown flag", ["train", "--frobnicate", "1"], {}, ["unrecognized arguments: --frobnicate"]),
+    ("unknown command", ["trian"], {}, ["unknown command 'trian'", "train"]),
+    ("zero batch size", ["train", "--batch-size", "0"], {}, ["--batch-size", "at least 1"]),
+    ("zero learning rate", ["train", "--lr", "0"], {}, ["--lr", "positive"]),
+    ("unknown strategy", ["train", "--strategy", "fsdp"], {}, ["'fsdp'", "ddp, dp, none"]),
+    ("unknown device", ["train", "--device", "tpu"], {}, ["'tpu'", "auto, cpu, cuda"]),
+    (
+        "model spec without callable",
+        ["train", "--model", "mymodel"],
+        {},
+        ["--model 'mymodel'", "package.module:callable"],
+    ),
+    ("model module missing", ["train", "--model", "no.such.mod:f"], {}, ["cannot import 'no.such.mod'"]),
+    ("model callable missing", ["train", "--model", "ddpjob.plugins:nothing"], {}, ["no callable 'nothing'"]),
+    ("model returns no module", ["train", "--model", "ddpjob.plugins:digits"], {}, ["not an nn.Module"]),
+    (
+        "plugin arguments not literals",
+        ["train", "--data", "ddpjob.plugins:synthetic(samples=n)"],
+        {},
+        ["arguments must be literals"],
+    ),
+    ("dp under a world of 2", ["train", "--strategy", "dp"], DIST, ["--strategy dp runs one process", "2"]),
+    ("cuda without a GPU", ["train", "--device", "cuda"], {}, ["no CUDA device", "--device cpu"]),
+    ("bf16 on cpu", ["train", "--precision", "bf16", "--device", "cpu"], {}, ["bf16 needs CUDA"]),
+    ("batch larger than the data", ["train", "--batch-size", "5000", "--strategy", "none"], {}, ["exceeds", "lower"]),
+    ("env file missing", ["train", "--env-file", "nope.env"], {}, ["--env-file nope.env", "no such file"]),
+    ("resume path missing", ["train", "--resume", "nope.pt"], {}, ["--resume nope.pt", "no such checkpoint"]),
+    ("init from a text file", ["train", "--init-from", "text.pt"], {}, ["not a readable PyTorch checkpoint"]),
+    (
+        "init from a pickle with code",
+        ["train", "--init-from", "evil.pt"],
+        {},
+        ["refused by torch.load(weights_only=True)", "posix.system"],
+    ),
+    (
+        "init from another model",
+        ["train", "--init-from", "other_model.pt"],
+        {},
+        ["does not fit the model", "missing key"],
+    ),
+    ("init from a file without weights", ["train", "--init-from", "no_weights.pt"], {}, ["no model state dict"]),
+    ("resume from a truncated checkpoint", ["train", "--resume", "cut.pt"], {}, ["integrity check", "truncated"]),
+    (
+        "checkpoint dir is a file",
+        ["train", "--checkpoint-dir", "a_file"],
+        {},
+        ["checkpoint dir a_file", "--checkpoint-dir"],
+    ),
+    ("indexed job without service", ["launch"], {"JOB_COMPLETION_INDEX": "0", "JOB_NAME": "j"}, ["JOB_SERVICE"]),
+    ("several nodes, no endpoint", ["launch", "--nnodes", "2"], {}, ["rendezvous endpoint", "--rdzv-endpoint"]),
+]
+
+
+@pytest.mark.parametrize("name, argv, env, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line_and_exit_2(name, argv, env, words, tmp_path, monkeypatch, capsys):
+    for key in [k for k in os.environ if k.startswith(("DDPJOB_", "SLURM_", "PET_")) or k in DIST or k == "LOCAL_RANK"]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    make_files(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+
+    code = cli.main(argv)
+
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("ddpjob: error: ")
+    if "does not fit" not in err:  # a mismatch lists one problem per line
+        assert len(lines) == 1, err
+    for word in words:
+        assert word in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # nothing overwritten
+
+
+def test_the_table_covers_at_least_twenty_inputs():
+    assert len(CASES) >= 20

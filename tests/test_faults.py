@@ -1,0 +1,292 @@
+"""Fault injection with real processes and real signals: preemption, worker crashes, crashes
+mid-save, storage faults, missing nodes, dead peers. Nothing is lost and nothing hangs."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpjob import checkpoint
+from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok
+
+pytestmark = pytest.mark.slow
+# Slow enough per step that a signal lands mid-epoch: 128 steps per epoch per rank.
+JOB = [
+    "--model",
+    "ddpjob.plugins:synthetic_mlp(width=512)",
+    "--data",
+    "ddpjob.plugins:synthetic(samples=8192)",
+    "--epochs",
+    "3",
+    "--log-every",
+    "5",
+    "--save-every",
+    "0",
+    "--stop-check-every",
+    "1",
+]
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs in a private mount namespace (root)")
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def launch(work: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PY, "-m", "ddpjob", "launch", *args],
+        cwd=work,
+        env=clean_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def trained_steps(run_dir: Path) -> int:
+    steps = [r["step"] for r in records(run_dir) if r["event"] == "train"]
+    return max(steps, default=0)
+
+
+def workers_of(agent_pid: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == agent_pid:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("whole")
+    ok(ddpjob(["launch", "--nproc-per-node", "2", *JOB], work, timeout=300))
+    return final_params(work / "runs/ddpjob")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signal_checkpoints_exits_75_and_resumes_bitwise(work, uninterrupted, sig):
+    run_dir = work / "runs/ddpjob"
+    agent = launch(work, "--nproc-per-node", "2", *JOB)
+    wait_until(lambda: trained_steps(run_dir) >= 20, 120, "training to start")
+    sent = time.monotonic()
+    agent.send_signal(sig)
+    out = agent.communicate(timeout=180)[0]
+    grace = time.monotonic() - sent
+    print(f"\n{sig.name}: stopped, checkpointed and exited in {grace:.2f}s")
+    assert agent.returncode == 75, out[-3000:]
+    (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
+    assert stop["signal"] == sig and stop["step"] % 128 != 0  # mid-epoch
+    assert checkpoint.list_steps(run_dir / "checkpoints")[0][0] == stop["step"]
+
+    out = ok(ddpjob(["launch", "--nproc-per-node", "2", *JOB], work, timeout=300))
+    starts = [r for r in records(run_dir) if r["event"] == "start"]
+    assert starts[-1]["step"] == stop["step"]  # the exact next batch
+    assert_bitwise_equal(uninterrupted, final_params(run_dir))
+
+
+@pytest.mark.parametrize("kill_at", sorted(random.Random().sample(range(12, 300), 3)))
+def test_sigkilled_worker_is_restarted_and_the_run_is_bitwise_equal(work, uninterrupted, kill_at):
+    run_dir = work / "runs/ddpjob"
+    agent = launch(
+        work, "--nproc-per-node", "2", "--max-restarts", "1", *JOB[:-4], "--save-every", "10", "--log-every", "1"
+    )
+    wait_until(lambda: trained_steps(run_dir) >= kill_at, 120, f"step {kill_at}")
+    victim = random.choice(workers_of(agent.pid))
+    os.kill(victim, signal.SIGKILL)
+    out = agent.communicate(timeout=300)[0]
+    print(f"\nkilled worker pid {victim} at step >= {kill_at}")
+    assert agent.returncode == 0, out[-3000:]
+    starts = [r for r in records(run_dir) if r["event"] == "start"]
+    assert [s["restart"] for s in starts] == [0, 1]
+    assert starts[1]["step"] > 0 and starts[1]["resumed_from"]
+    assert_bitwise_equal(uninterrupted, final_params(run_dir))
+
+
+def test_sigkilled_worker_of_a_two_node_job_is_restarted_bitwise(work, uninterrupted):
+    run_dir = work / "runs/ddpjob"
+    port = free_port()
+    nodes = [
+        launch(
+            work,
+            "--max-restarts",
+            "1",
+            *JOB[:-4],
+            "--save-every",
+            "10",
+            "--log-every",
+            "1",
+            env={"DDPJOB_NNODES": "2", "DDPJOB_NODE_RANK": str(n), "DDPJOB_RDZV_ENDPOINT": f"127.0.0.1:{port}"},
+        )
+        for n in range(2)
+    ]
+    kill_at = random.randrange(12, 300)
+    wait_until(lambda: trained_steps(run_dir) >= kill_at, 120, f"step {kill_at}")
+    os.kill(workers_of(nodes[1].pid)[0], signal.SIGKILL)
+    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert [s["restart"] for s in records(run_dir) if s["event"] == "start"] == [0, 1]
+    assert_bitwise_equal(uninterrupted, final_params(run_dir))
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one_newest(tmp_path):
+    checkpoint.save({"step": 1}, checkpoint.path_for(tmp_path, 1))
+    writer = subprocess.Popen(
+        [
+            PY,
+            "-c",
+            (
+                "import sys, torch; from pathlib import Path; from ddpjob import checkpoint; "
+                "checkpoint.save({'w': torch.ones(300, 1024, 1024)}, checkpoint.path_for(Path(sys.argv[1]), 2))"
+            ),
+            str(tmp_path),
+        ],
+        env=clean_env(),
+    )
+    wait_until(lambda: any(".tmp-" in p.name for p in tmp_path.iterdir()), 60, "the write to start")
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    assert checkpoint.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 1)
+    assert checkpoint.read(checkpoint.path_for(tmp_path, 1))["step"] == 1
+
+
+def test_truncated_newest_checkpoint_is_skipped_on_resume(work):
+    run_dir = work / "runs/ddpjob"
+    ok(ddpjob(["train", "--epochs", "2", "--max-steps", "30", "--save-every", "10", "--log-every", "1000"], work))
+    newest = checkpoint.path_for(run_dir / "checkpoints", 30)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    out = ok(ddpjob(["train", "--epochs", "2", "--max-steps", "40", "--log-every", "1000"], work))
+    assert "skipping checkpoint runs/ddpjob/checkpoints/step-30.pt" in out and "truncated" in out
+    starts = [r for r in records(run_dir) if r["event"] == "start"]
+    assert starts[-1]["resumed_from"].endswith("step-20.pt") and starts[-1]["step"] == 20
+
+
+def in_tmpfs(work: Path, size: str, options: str, args: list[str]) -> subprocess.CompletedProcess:
+    """Run ddpjob train with its checkpoint dir on a tiny tmpfs in a private mount namespace."""
+    (work / "ck").mkdir()
+    script = f'mount -t tmpfs -o size={size},{options} tmpfs "$1" && shift && exec "$@"'
+    return subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "_",
+            str(work / "ck"),
+            PY,
+            "-m",
+            "ddpjob",
+            "train",
+            "--checkpoint-dir",
+            str(work / "ck"),
+            *args,
+        ],
+        cwd=work,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@root_only
+def test_disk_full_during_save_fails_fast_and_keeps_the_previous_checkpoint(work):
+    proc = in_tmpfs(work, "700k", "rw", ["--epochs", "2", "--save-every", "5", "--keep", "5", "--log-every", "1000"])
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if "ddpjob: error" in ln]
+    assert "cannot write checkpoint" in line and "No space left on device" in line
+
+
+@root_only
+def test_disk_full_with_warn_policy_trains_on(work):
+    proc = in_tmpfs(
+        work,
+        "700k",
+        "rw",
+        ["--epochs", "2", "--save-every", "5", "--keep", "5", "--log-every", "1000", "--on-save-error", "warn"],
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "WARNING: checkpoint NOT saved" in proc.stderr and "done: step 88" in proc.stdout
+
+
+@root_only
+def test_read_only_checkpoint_dir_is_bad_input_before_training(work):
+    proc = in_tmpfs(work, "1m", "ro", ["--epochs", "1"])
+    assert proc.returncode == 2
+    assert "is not writable" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("present", [0, 1])
+def test_missing_node_fails_within_the_rendezvous_timeout(work, present):
+    port = free_port()
+    start = time.monotonic()
+    proc = ddpjob(
+        [
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(present),
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-timeout",
+            "5",
+        ],
+        work,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert f"rendezvous at 127.0.0.1:{port} for 2 nodes failed" in proc.stderr
+    assert elapsed < 5 + 20, elapsed  # timeout + start-up and connect retries
+
+
+def test_peer_dying_mid_training_fails_the_survivor_instead_of_hanging(work):
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [PY, "-m", "ddpjob", "train", *JOB, "--collective-timeout", "10"],
+            cwd=work,
+            env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 10, 120, "training to start")
+    procs[1].kill()
+    start = time.monotonic()
+    out = procs[0].communicate(timeout=60)[0]
+    assert procs[0].returncode not in (0, None), out[-2000:]
+    assert time.monotonic() - start < 10 + 10
+
+
+def test_metrics_and_attempts_append_across_restarts(work):
+    for _ in range(2):
+        ok(ddpjob(["launch", "--epochs", "1", "--log-every", "1000", "--resume", "never"], work))
+    attempts = [json.loads(ln) for ln in (work / "runs/ddpjob/attempts.jsonl").read_text().splitlines()]
+    assert [a["event"] for a in attempts] == ["start", "end", "start", "end"]
+    assert all(a["exit_code"] == 0 and a["reason"] == "finished" for a in attempts if a["event"] == "end")
+    assert [r["event"] for r in records(work / "runs/ddpjob")].count("start") == 2
