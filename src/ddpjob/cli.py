@@ -2,27 +2,32 @@
 
 - ``train``: the worker; runs under torchrun, srun, a plain RANK/WORLD_SIZE env, or alone.
 - ``launch``: the node agent every launcher calls; starts torchrun with derived arguments.
+- ``doctor``: preflight checks with a fix for each problem (``launch`` runs them briefly too).
+- ``plot``, ``ckpt``: look at a run's metrics; inspect and convert checkpoints.
 - ``config``: the resolved config as a .env file (``.env.example`` is its output with defaults).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from ddpjob import config
-from ddpjob.errors import StorageError, UsageError, exit_code_for
+from ddpjob.errors import EXIT_FAILED, EXIT_OK, StorageError, UsageError, exit_code_for
 
 
 def _train(argv: Sequence[str]) -> int:
     import torch
 
-    from ddpjob import distenv, train
+    from ddpjob import distenv, logs, train
 
     parser = config.make_parser("ddpjob train", "Run the training worker (one process of the job).")
     config.add_config_flags(parser)
     cfg = config.load(parser.parse_args(argv))
-    env = distenv.resolve(__import__("os").environ, torch.cuda.device_count())
+    env = distenv.resolve(os.environ, torch.cuda.device_count())
+    if env.is_distributed:
+        logs.prefix_output(env)
     return train.run(cfg, env)
 
 
@@ -31,6 +36,54 @@ def _config(argv: Sequence[str]) -> int:
     config.add_config_flags(parser)
     print(config.render_env(config.load(parser.parse_args(argv))), end="")
     return 0
+
+
+def _doctor(argv: Sequence[str]) -> int:
+    import torch
+
+    from ddpjob import doctor, launch
+
+    parser = config.make_parser("ddpjob doctor", "Check this node before (or instead of) joining the job.")
+    config.add_config_flags(parser)
+    cfg = config.load(parser.parse_args(argv))
+    plan = launch.resolve_plan(cfg, os.environ, torch.cuda.device_count())
+    return EXIT_OK if doctor.report(doctor.run(cfg, plan)) else EXIT_FAILED
+
+
+def _plot(argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from ddpjob import plot
+
+    parser = config.make_parser("ddpjob plot", "Plot loss, accuracy and throughput of a run as a PNG.")
+    parser.add_argument("run_dir", type=Path, help="run dir (or its metrics.jsonl)")
+    parser.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png)")
+    args = parser.parse_args(argv)
+    print(f"[ddpjob] plot: wrote {plot.plot(args.run_dir, args.out)}")
+    return EXIT_OK
+
+
+def _ckpt(argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from ddpjob import ckpt_tools
+
+    parser = config.make_parser("ddpjob ckpt", "Inspect or convert checkpoints (ddpjob's or any state dict).")
+    sub = parser.add_subparsers(dest="action", required=True)
+    inspect = sub.add_parser("inspect", help="format, step, keys, shapes, dtypes, size, integrity, prefix")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--all", action="store_true", help="list every tensor")
+    convert = sub.add_parser("convert", help="strip/add the module. prefix; plain, ddpjob or safetensors")
+    convert.add_argument("src", type=Path)
+    convert.add_argument("dst", type=Path)
+    convert.add_argument("--to", choices=("plain", "ddpjob", "safetensors"), default="plain")
+    convert.add_argument("--add-prefix", default="", metavar="PREFIX", help="e.g. module. (default: strip prefixes)")
+    args = parser.parse_args(argv)
+    if args.action == "inspect":
+        print("\n".join(ckpt_tools.inspect(args.path, show=10**9 if args.all else 50)))
+    else:
+        print(ckpt_tools.convert(args.src, args.dst, args.to, args.add_prefix))
+    return EXIT_OK
 
 
 def _launch(argv: Sequence[str]) -> int:
@@ -42,6 +95,9 @@ def _launch(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (_train, "run the training worker (under torchrun, srun, or alone)"),
     "launch": (_launch, "start this node's workers with torchrun (what every launcher calls)"),
+    "doctor": (_doctor, "preflight checks of this node (rendezvous, /dev/shm, interfaces, devices, disk)"),
+    "plot": (_plot, "PNG of loss, accuracy and throughput of a run, marking restarts and resumes"),
+    "ckpt": (_ckpt, "inspect or convert checkpoints (module. prefix, plain, safetensors)"),
     "config": (_config, "print the resolved config (defaults < .env < DDPJOB_* < flags) as a .env file"),
 }
 

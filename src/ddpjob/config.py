@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -61,6 +60,7 @@ class Config:
     init_from: str = _opt("", "load model weights only from PATH (ddpjob checkpoint or any state dict)")
     log_every: int = _opt(10, "log a line every N steps on rank 0")
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
+    heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
     # node level (ddpjob launch)
     nnodes: int = _opt(0, "nodes in the job (0: from the scheduler, else 1)")
     node_rank: int = _opt(-1, "this node's rank (-1: from the scheduler, else 0)")
@@ -173,7 +173,7 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise UsageError(f"{flag(name)} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("max_steps", "save_every", "num_workers", "max_restarts", "nnodes", "nproc_per_node"):
+    for name in ("max_steps", "save_every", "num_workers", "max_restarts", "nnodes", "nproc_per_node", "heartbeat"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.lr <= 0 or cfg.collective_timeout <= 0:
@@ -215,6 +215,6 @@ def render_env(cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_config(cfg: Config, stream: Any = sys.stdout) -> None:
+def print_config(cfg: Config) -> None:
     items = " ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
-    print(f"[ddpjob] config: {items}", file=stream, flush=True)
+    print(f"[ddpjob] config: {items}", flush=True)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ddpjob import config
+from ddpjob import config, doctor
 from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
 from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError
 from ddpjob.plugins import load_callable
@@ -190,6 +190,8 @@ def main(argv: Sequence[str]) -> int:
     print("[ddpjob] launch: torchrun " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
+    if not doctor.report(doctor.run(cfg, plan, brief=True), brief=True):
+        raise UsageError("preflight check failed (see the fix above); `ddpjob doctor` shows every check")
     record_attempt(cfg, plan, event="start")
     code, reason = run_torchrun(cmd, plan)
     record_attempt(cfg, plan, event="end", exit_code=code, reason=reason)

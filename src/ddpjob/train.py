@@ -28,6 +28,7 @@ from ddpjob import checkpoint, rng
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, StorageError, UsageError, exit_code_for
+from ddpjob.logs import start_heartbeat
 from ddpjob.metrics import Metrics
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal
@@ -359,6 +360,7 @@ def train(
     )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and device.type == "cuda")
     stop = StopSignal(cfg.stop_check_every, device)
+    heartbeat = start_heartbeat(cfg.heartbeat, lambda: progress.step) if cfg.heartbeat else None
     loss_fn = nn.CrossEntropyLoss()
     batches_per_epoch = steps_per_epoch * cfg.grad_accum
     exit_code, start_time = EXIT_OK, time.perf_counter()
@@ -430,3 +432,5 @@ def train(
     finally:
         metrics.close(step=progress.step, exit_code=exit_code)
         StopSignal.restore_defaults()
+        if heartbeat:
+            heartbeat.set()

@@ -1,0 +1,83 @@
+"""`ddpjob plot RUN_DIR`: loss, accuracy and throughput over steps as one PNG, from metrics.jsonl.
+
+Restarts of the worker group and resumes from a checkpoint are marked with vertical lines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ddpjob.errors import UsageError
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist; pass the run dir (with metrics.jsonl) of a ddpjob run")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a crash: the rest is still worth plotting
+            print(f"[ddpjob] plot: skipping unreadable line {number} of {path}")
+    return records
+
+
+def series(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """What the panels show: label -> (steps, values)."""
+    train = [r for r in records if r["event"] == "train"]
+    evals = [r for r in records if r["event"] in ("eval", "final") and "accuracy" in r]
+    return {
+        "loss": ([r["step"] for r in train], [r["loss"] for r in train]),
+        "held-out accuracy": ([r["step"] for r in evals], [r["accuracy"] for r in evals]),
+        "samples/s": ([r["step"] for r in train], [r["samples_per_s"] for r in train]),
+    }
+
+
+def markers(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(step, kind) of each resume from a checkpoint, worker-group restart and preemption."""
+    found = []
+    for r in records:
+        if r["event"] == "start" and r.get("resumed_from"):
+            found.append((r["step"], "resume"))
+        if r["event"] == "start" and r.get("restart"):
+            found.append((r["step"], "restart"))
+        if r["event"] == "preempted":
+            found.append((r["step"], "preempted"))
+    return found
+
+
+STYLES = {"resume": ("tab:orange", "--"), "restart": ("tab:red", ":"), "preempted": ("tab:purple", "-.")}
+
+
+def plot(run_dir: Path, out: Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
+    records = read_metrics(path)
+    panels = series(records)
+    if not panels["loss"][0]:
+        raise UsageError(f"{path} has no training records yet; run longer than --log-every steps")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 9), sharex=True)
+    for ax, (label, (steps, values)) in zip(axes, panels.items(), strict=True):
+        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        for step, kind in markers(records):
+            color, style = STYLES[kind]
+            ax.axvline(step, color=color, linestyle=style, label=kind)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        unique = dict(zip(labels, handles, strict=True))
+        axes[0].legend(unique.values(), unique.keys(), loc="upper right")
+    axes[-1].set_xlabel("step")
+    fig.suptitle(f"ddpjob run {run_dir}")
+    fig.tight_layout()
+    out = out or path.with_name("metrics.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
