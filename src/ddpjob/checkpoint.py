@@ -129,11 +129,24 @@ def verify(path: Path) -> str | None:
         return "unreadable manifest"
     if path.stat().st_size != size:
         return f"size {path.stat().st_size} != {size} in manifest (truncated)"
-    actual = 0
+    return None if file_crc(path) == crc else "checksum mismatch (corrupt)"
+
+
+def file_crc(path: Path) -> int:
+    crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            actual = zlib.crc32(chunk, actual)
-    return None if actual == crc else "checksum mismatch (corrupt)"
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def identity(path: Path) -> str:
+    """Content identity of a checkpoint file: its manifest's size and CRC-32, else computed."""
+    try:
+        manifest = json.loads(manifest_path(path).read_text())
+        return f"{path.name}:{manifest['size']}:{manifest['crc32']}"
+    except (OSError, ValueError, KeyError):
+        return f"{path.name}:{path.stat().st_size}:{file_crc(path)}"
 
 
 def list_steps(directory: Path) -> list[tuple[int, Path]]:
@@ -160,12 +173,13 @@ def prune(directory: Path, keep: int) -> None:
         manifest_path(path).unlink(missing_ok=True)
 
 
-def read(path: Path | str, map_location: str | torch.device = "cpu", mmap: bool = True) -> Any:
-    """torch.load with weights_only=True; every way a file can be bad becomes one UsageError line."""
+def read(path: Path | str, map_location: str | torch.device = "cpu", mmap: bool = True, verified: bool = False) -> Any:
+    """torch.load with weights_only=True; every way a file can be bad becomes one UsageError line.
+    The integrity check is skipped when the caller has just done it (``verified``)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"checkpoint {path} does not exist; check the path")
-    if manifest_path(path).exists() and (reason := verify(path)):
+    if not verified and manifest_path(path).exists() and (reason := verify(path)):
         raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

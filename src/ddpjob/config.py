@@ -58,6 +58,9 @@ class Config:
     )
     resume: str = _opt("auto", "auto: newest valid checkpoint in CHECKPOINT_DIR; never; or a checkpoint PATH")
     init_from: str = _opt("", "load model weights only from PATH (ddpjob checkpoint or any state dict)")
+    load_mode: str = _opt(
+        "mmap", "mmap: every rank maps the file; rank0: rank 0 reads and broadcasts (no shared fs)", ("mmap", "rank0")
+    )
     log_every: int = _opt(10, "log a line every N steps on rank 0")
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
     heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")

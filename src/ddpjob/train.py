@@ -8,6 +8,7 @@ resumed run is bitwise equal to an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import sys
@@ -106,24 +107,56 @@ def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
     )
 
 
-def find_resume(cfg: Config) -> Path | None:
-    if cfg.resume == "never":
+@dataclass
+class Loaded:
+    """What a run starts from: a checkpoint to resume, or weights to initialise from."""
+
+    state: Any
+    path: Path
+    resume: bool
+    identical: bool = False  # every rank provably holds the same weights: skip DDP's start-up broadcast
+
+
+def find_source(cfg: Config) -> tuple[Path | None, bool]:
+    """(checkpoint to start from, whether it is a resume). A newest checkpoint wins over --init-from."""
+    if cfg.resume not in ("auto", "never"):
+        return Path(cfg.resume), True
+    if cfg.resume == "auto" and (newest := checkpoint.latest_valid(cfg.checkpoint_path)):
+        return newest, True
+    return (Path(cfg.init_from), False) if cfg.init_from else (None, False)
+
+
+def load_source(cfg: Config, env: DistEnv, device: torch.device) -> Loaded | None:
+    """Every rank memory-maps the file itself (``--load-mode mmap``), or only rank 0 reads it
+    (``rank0``, for nodes without a shared filesystem; see share_source)."""
+    if cfg.load_mode == "rank0" and env.is_distributed and not env.is_main:
         return None
-    if cfg.resume == "auto":
-        return checkpoint.latest_valid(cfg.checkpoint_path)
-    return Path(cfg.resume)
+    path, resume = find_source(cfg)
+    if path is None:
+        return None
+    verified = resume and cfg.resume == "auto"  # latest_valid has just checked it
+    return Loaded(checkpoint.read(path, device, verified=verified), path, resume)
 
 
-def agree_on_resume(found: Path | None) -> None:
-    """All ranks must resume from the same step (they may not share a filesystem)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, found.name if found else None)
+def share_source(cfg: Config, env: DistEnv, loaded: Loaded | None) -> Loaded | None:
+    """After init: make sure every rank starts from the same checkpoint, and say whether the
+    weights are provably identical (so DDP can skip its broadcast)."""
+    if not (dist.is_initialized() and env.is_distributed):
+        return loaded
+    if cfg.load_mode == "rank0":
+        box = [(loaded.state, loaded.path, loaded.resume) if loaded else None]
+        dist.broadcast_object_list(box, src=0)
+        return Loaded(*box[0], identical=True) if box[0] else None
+    seen: list[Any] = [None] * env.world_size
+    dist.all_gather_object(seen, checkpoint.identity(loaded.path) if loaded else None)
     if len(set(seen)) > 1:
         raise UsageError(
-            f"ranks see different checkpoints to resume from: {seen}; put --checkpoint-dir on shared storage"
+            f"ranks would start from different checkpoints: {seen}; put --checkpoint-dir on shared storage "
+            "or use --load-mode rank0"
         )
+    if loaded:
+        loaded.identical = True
+    return loaded
 
 
 def build(spec: str, seed: int, weights: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
@@ -280,15 +313,15 @@ def run(cfg: Config, env: DistEnv) -> int:
     device = pick_device(cfg, env)
     load_callable(cfg.model)  # import errors surface here, before any network wait
     train_set, val_set = build_data(cfg.data)
-    resume_from = find_resume(cfg)
-    resumed = checkpoint.read(resume_from, device) if resume_from else None
-    init_from = checkpoint.read(cfg.init_from, device) if cfg.init_from and not resumed else None
+    loaded = load_source(cfg, env, device)
     if cfg.strategy == "ddp":
         init_process_group(cfg, env, device)
     try:
-        agree_on_resume(resume_from)
-        return train(cfg, env, device, train_set, val_set, resumed, resume_from, init_from)
+        return train(cfg, env, device, train_set, val_set, share_source(cfg, env, loaded))
     finally:
+        # DDP's reducer sits in reference cycles; freed at interpreter exit, its pending gloo work
+        # aborts the process ("terminate called without an active exception"). Free it now.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -299,20 +332,20 @@ def train(
     device: torch.device,
     train_set: Dataset[Any],
     val_set: Dataset[Any] | None,
-    resumed: dict[str, Any] | None,
-    resume_from: Path | None,
-    init_from: Any,
+    loaded: Loaded | None,
 ) -> int:
     if env.is_main:
         print_config(cfg)
 
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
-    source = str(resume_from or cfg.init_from)
-    weights = checkpoint.model_state(resumed or init_from, source) if (resumed or init_from) else None
-    model: nn.Module = build(cfg.model, cfg.seed, weights, source).to(device)
+    weights = checkpoint.model_state(loaded.state, str(loaded.path)) if loaded else None
+    model: nn.Module = build(cfg.model, cfg.seed, weights, str(loaded.path) if loaded else "").to(device)
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
-    if cfg.strategy == "ddp":
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.strategy == "ddp":  # skip the start-up broadcast when all ranks loaded the same verified file
+        identical = loaded is not None and loaded.identical
+        if identical and env.is_main and env.is_distributed:
+            print(f"[ddpjob] every rank holds the weights of {loaded.path.name}: DDP start-up broadcast skipped")
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
 
@@ -341,6 +374,7 @@ def train(
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
     progress = Progress()
     checkpointer = Checkpointer(cfg, env, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+    resumed = loaded.state if loaded and loaded.resume else None
     if resumed:
         for name in ("optimizer", "scheduler", "progress"):
             checkpointer.stateful[name].load_state_dict(resumed[name])
@@ -354,7 +388,7 @@ def train(
     )
     metrics.start(
         progress.step,
-        resumed_from=str(resume_from) if resume_from else None,
+        resumed_from=str(loaded.path) if resumed and loaded else None,
         world_size=env.world_size,
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     )
