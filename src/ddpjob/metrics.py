@@ -16,13 +16,12 @@ import torch
 
 
 class Metrics:
-    def __init__(self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int) -> None:
-        self.enabled, self.total, self.samples_per_step, self.log_every = (
-            enabled,
-            total_steps,
-            samples_per_step,
-            log_every,
-        )
+    def __init__(
+        self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int, loss_scale: float
+    ) -> None:
+        self.enabled, self.total, self.log_every = enabled, total_steps, log_every
+        self.samples_per_step = samples_per_step
+        self.loss_scale = loss_scale  # the loop's losses are divided by --grad-accum
         self.file = None
         self.bar: Any = None
         self.loss_sum: torch.Tensor | None = None
@@ -47,7 +46,10 @@ class Metrics:
         """Called every optimizer step with the step's loss tensor (not read back here)."""
         if not self.enabled:
             return
-        self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+        if self.loss_sum is None:
+            self.loss_sum = loss.detach().clone()
+        else:
+            self.loss_sum.add_(loss.detach())  # in place: no new tensor per step
         self.count += 1
         if self.bar is not None:
             self.bar.update(1)
@@ -55,9 +57,13 @@ class Metrics:
             return
         now = time.perf_counter()
         assert self.loss_sum is not None
-        loss_value = self.loss_sum.item() / self.count
+        loss_value = self.loss_sum.item() * self.loss_scale / self.count
         rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
         eta = (self.total - step) / rate if rate > 0 else 0.0
+        if torch.cuda.is_available():  # a host-side counter: no device sync
+            extra = {"gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+        else:
+            extra = {}
         self.write(
             event="train",
             step=step,
@@ -65,6 +71,7 @@ class Metrics:
             loss=loss_value,
             steps_per_s=rate,
             samples_per_s=rate * self.samples_per_step,
+            **extra,
         )
         line = (
             f"step {step}/{self.total} epoch {epoch} loss {loss_value:.4f} "

@@ -343,7 +343,7 @@ def train(
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
     if cfg.strategy == "ddp":  # skip the start-up broadcast when all ranks loaded the same verified file
         identical = loaded is not None and loaded.identical
-        if identical and env.is_main and env.is_distributed:
+        if loaded is not None and identical and env.is_main and env.is_distributed:
             print(f"[ddpjob] every rank holds the weights of {loaded.path.name}: DDP start-up broadcast skipped")
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
     elif cfg.strategy == "dp":
@@ -383,9 +383,8 @@ def train(
             rng.set_state(rng_states[env.rank])
         checkpointer.last_saved = progress.step
 
-    metrics = Metrics(
-        cfg.metrics_path, env.is_main, total_steps, cfg.batch_size * cfg.grad_accum * env.world_size, cfg.log_every
-    )
+    samples_per_step = cfg.batch_size * cfg.grad_accum * env.world_size
+    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, samples_per_step, cfg.log_every, cfg.grad_accum)
     metrics.start(
         progress.step,
         resumed_from=str(loaded.path) if resumed and loaded else None,
@@ -421,7 +420,7 @@ def train(
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
-                metrics.step(progress.step, progress.epoch, loss * cfg.grad_accum)
+                metrics.step(progress.step, progress.epoch, loss)
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
                     checkpointer.save(progress.step)
