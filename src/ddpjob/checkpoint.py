@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import sys
 import zlib
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ from ddpjob.errors import StorageError, UsageError
 
 FORMAT = "ddpjob-checkpoint/1"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP, torch.compile
-_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+_STEP_FILE = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a DCP folder (ddpjob.sharded)
 _CHUNK = 16 << 20
 
 
@@ -120,6 +121,10 @@ def save(obj: Any, path: Path) -> None:
 
 def verify(path: Path) -> str | None:
     """None if path matches its manifest, else the reason it does not."""
+    if path.is_dir():
+        from ddpjob import sharded
+
+        return sharded.verify(path)
     try:
         manifest = json.loads(manifest_path(path).read_text())
         size, crc = int(manifest["size"]), int(manifest["crc32"])
@@ -142,6 +147,10 @@ def file_crc(path: Path) -> int:
 
 def identity(path: Path) -> str:
     """Content identity of a checkpoint file: its manifest's size and CRC-32, else computed."""
+    if path.is_dir():
+        from ddpjob import sharded
+
+        return sharded.identity(path)
     try:
         manifest = json.loads(manifest_path(path).read_text())
         return f"{path.name}:{manifest['size']}:{manifest['crc32']}"
@@ -150,7 +159,7 @@ def identity(path: Path) -> str:
 
 
 def list_steps(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step-<N>.pt in directory, newest first."""
+    """(step, path) of every step-<N>.pt file and step-<N> DCP folder in directory, newest first."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name))]
@@ -169,6 +178,9 @@ def latest_valid(directory: Path) -> Path | None:
 
 def prune(directory: Path, keep: int) -> None:
     for _, path in list_steps(directory)[keep:]:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         path.unlink(missing_ok=True)
         manifest_path(path).unlink(missing_ok=True)
 

@@ -2,8 +2,8 @@
 
 - inspect: format, step, epoch, keys with shapes and dtypes, size, integrity, torch version,
   whether keys carry a wrapper prefix.
-- convert: strip or add the ``module.`` prefix; to a plain state dict, to a ddpjob checkpoint,
-  or model weights to safetensors.
+- convert: strip or add the ``module.`` prefix; between a plain state dict, a ddpjob checkpoint,
+  a DCP folder and safetensors (model weights).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from ddpjob.errors import UsageError
 
 
 def describe_format(obj: Any) -> str:
+    if isinstance(obj, Mapping) and obj.get("format") == "dcp":
+        return "DCP folder (torch.distributed.checkpoint; model weights shown)"
     if isinstance(obj, Mapping) and obj.get("format") == checkpoint.FORMAT:
         return f"ddpjob checkpoint ({checkpoint.FORMAT})"
     if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
@@ -29,7 +31,12 @@ def describe_format(obj: Any) -> str:
 
 
 def load_any(path: Path) -> Any:
-    """A checkpoint or state dict from a torch file, or the tensors of a .safetensors file."""
+    """A checkpoint or state dict from a torch file, the tensors of a .safetensors file, or the
+    model weights of a DCP folder."""
+    if path.is_dir():
+        from ddpjob import sharded
+
+        return {"format": "dcp", "model": sharded.read_model(path)}
     if path.suffix == ".safetensors" and path.is_file():
         from safetensors.torch import load_file
 
@@ -37,17 +44,22 @@ def load_any(path: Path) -> Any:
     return checkpoint.read(path)
 
 
+def size_of(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+
+
 def inspect(path: Path, show: int = 50) -> list[str]:
     obj = load_any(path)
     raw_keys = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), Mapping)), obj)
     weights = checkpoint.model_state(obj, str(path))
     prefixes = sorted({p for k in raw_keys for p in checkpoint.WRAPPER_PREFIXES if k.startswith(p)})
-    integrity = checkpoint.verify(path) if checkpoint.manifest_path(path).exists() else "no manifest"
+    has_manifest = path.is_dir() or checkpoint.manifest_path(path).exists()
+    integrity = checkpoint.verify(path) if has_manifest else "no manifest"
     params = sum(t.numel() for t in weights.values())
     lines = [
-        f"file:       {path} ({path.stat().st_size / 2**20:.2f} MiB)",
+        f"file:       {path} ({size_of(path) / 2**20:.2f} MiB)",
         f"format:     {describe_format(obj)}",
-        f"integrity:  {'ok (size and CRC-32 match the manifest)' if integrity is None else integrity}",
+        f"integrity:  {'ok (matches its manifest)' if integrity is None else integrity}",
         f"written by: torch {obj.get('torch_version', '?')}",
         f"step/epoch: {obj.get('step', '-')} / {obj.get('progress', {}).get('epoch', '-')}",
         f"prefix:     {', '.join(prefixes) + ' (wrapped model; ddpjob strips it on load)' if prefixes else 'none'}",
@@ -68,7 +80,11 @@ def convert(src: Path, dst: Path, to: str, prefix: str) -> str:
         weights = checkpoint.add_prefix(weights, prefix)
     if dst.resolve() == src.resolve():
         raise UsageError(f"{dst} is the input file; write the converted checkpoint elsewhere")
-    if to == "safetensors":
+    if to == "dcp":
+        from ddpjob import sharded
+
+        sharded.write_model(weights, dst)
+    elif to == "safetensors":
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in weights.items()}, str(dst))

@@ -73,10 +73,10 @@ def _ckpt(argv: Sequence[str]) -> int:
     inspect = sub.add_parser("inspect", help="format, step, keys, shapes, dtypes, size, integrity, prefix")
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--all", action="store_true", help="list every tensor")
-    convert = sub.add_parser("convert", help="strip/add the module. prefix; plain, ddpjob or safetensors")
+    convert = sub.add_parser("convert", help="strip/add the module. prefix; plain, ddpjob, dcp or safetensors")
     convert.add_argument("src", type=Path)
     convert.add_argument("dst", type=Path)
-    convert.add_argument("--to", choices=("plain", "ddpjob", "safetensors"), default="plain")
+    convert.add_argument("--to", choices=("plain", "ddpjob", "dcp", "safetensors"), default="plain")
     convert.add_argument("--add-prefix", default="", metavar="PREFIX", help="e.g. module. (default: strip prefixes)")
     args = parser.parse_args(argv)
     if args.action == "inspect":

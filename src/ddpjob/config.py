@@ -50,6 +50,11 @@ class Config:
     metrics: str = _opt("", "JSON-lines metrics file, appended (default: RUN_DIR/metrics.jsonl)")
     save_every: int = _opt(100, "save a checkpoint every N optimizer steps (0: only at the end)")
     keep: int = _opt(3, "keep the newest K checkpoints")
+    checkpoint_format: str = _opt(
+        "file",
+        "file: one step-N.pt; dcp: a torch.distributed.checkpoint folder step-N/, loadable at any world size",
+        ("file", "dcp"),
+    )
     save_mode: str = _opt(
         "sync", "async: the loop waits only for a copy to CPU memory; a thread writes", ("sync", "async")
     )
@@ -188,11 +193,15 @@ def validate(cfg: Config) -> None:
         spec = getattr(cfg, name)
         if ":" not in spec or spec.startswith(":") or spec.endswith(":"):
             raise UsageError(f"{flag(name)} {spec!r} must look like package.module:callable")
+    if cfg.checkpoint_format == "dcp" and (cfg.save_mode == "async" or cfg.load_mode == "rank0"):
+        raise UsageError(
+            "--checkpoint-format dcp writes and reads on every rank; use --save-mode sync --load-mode mmap"
+        )
     if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):
         raise UsageError(f"--init-method {cfg.init_method!r} must be env:// or tcp://HOST:PORT")
     for name in ("resume", "init_from"):
         path = getattr(cfg, name)
-        if path and path not in ("auto", "never") and not Path(path).is_file():
+        if path and path not in ("auto", "never") and not Path(path).exists():
             raise UsageError(f"{flag(name)} {path}: no such checkpoint file; check the path")
 
 

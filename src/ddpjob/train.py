@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from ddpjob import checkpoint, rng
+from ddpjob import checkpoint, rng, sharded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, StorageError, UsageError, exit_code_for
@@ -109,12 +109,17 @@ def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
 
 @dataclass
 class Loaded:
-    """What a run starts from: a checkpoint to resume, or weights to initialise from."""
+    """What a run starts from: a checkpoint to resume, or weights to initialise from.
+    A DCP folder (``state`` None) is read later, into the live model and optimizer."""
 
     state: Any
     path: Path
     resume: bool
     identical: bool = False  # every rank provably holds the same weights: skip DDP's start-up broadcast
+
+    @property
+    def sharded(self) -> bool:
+        return self.state is None
 
 
 def find_source(cfg: Config) -> tuple[Path | None, bool]:
@@ -134,6 +139,10 @@ def load_source(cfg: Config, env: DistEnv, device: torch.device) -> Loaded | Non
     path, resume = find_source(cfg)
     if path is None:
         return None
+    if path.is_dir():
+        if cfg.load_mode == "rank0":
+            raise UsageError(f"{path} is a DCP folder, which every rank reads; use --load-mode mmap")
+        return Loaded(None, path, resume)
     verified = resume and cfg.resume == "auto"  # latest_valid has just checked it
     return Loaded(checkpoint.read(path, device, verified=verified), path, resume)
 
@@ -154,7 +163,7 @@ def share_source(cfg: Config, env: DistEnv, loaded: Loaded | None) -> Loaded | N
             f"ranks would start from different checkpoints: {seen}; put --checkpoint-dir on shared storage "
             "or use --load-mode rank0"
         )
-    if loaded:
+    if loaded and not loaded.sharded:
         loaded.identical = True
     return loaded
 
@@ -245,20 +254,24 @@ class Checkpointer:
         if dist.is_initialized() and self.env.world_size > 1:
             rng_states = [None] * self.env.world_size
             dist.all_gather_object(rng_states, rng.get_state())
+        about = dict(
+            format=checkpoint.FORMAT,
+            step=step,
+            rng=rng_states,
+            config=self.cfg.to_dict(),
+            world_size=self.env.world_size,
+            torch_version=str(torch.__version__),
+        )
+        if self.cfg.checkpoint_format == "dcp":
+            self._save_sharded(step, about)
+            return
         error = ""
         if self.env.is_main:
             try:
-                self._wait()  # at most one save in flight
+                self.wait()  # at most one save in flight
                 state = {name: obj.state_dict() for name, obj in self.stateful.items()}
                 state["model"] = checkpoint.unwrap(self.stateful["model"]).state_dict()
-                state.update(
-                    format=checkpoint.FORMAT,
-                    step=step,
-                    rng=rng_states,
-                    config=self.cfg.to_dict(),
-                    world_size=self.env.world_size,
-                    torch_version=str(torch.__version__),
-                )
+                state.update(about)
                 if self.writer:
                     self.pending = self.writer.submit(self._write, cpu_snapshot(state), step)
                 else:
@@ -268,12 +281,28 @@ class Checkpointer:
         self._agree(error)
         self.last_saved = step
 
+    def _save_sharded(self, step: int, about: dict[str, Any]) -> None:
+        """Every rank writes its part of a DCP folder."""
+        extra = {name: self.stateful[name].state_dict() for name in ("scheduler", "progress")} | about
+        error = ""
+        try:
+            path = sharded.save(
+                self.cfg.checkpoint_path, step, self.stateful["model"], self.stateful["optimizer"], extra
+            )
+            if self.env.is_main:
+                checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
+                print(f"[ddpjob] saved {path}/", flush=True)
+        except StorageError as exc:
+            error = str(exc)
+        self._agree(error)
+        self.last_saved = step
+
     def close(self) -> None:
         """Wait for a save in flight; every rank learns whether it worked."""
         error = ""
         if self.writer:
             try:
-                self._wait()
+                self.wait()
             except StorageError as exc:
                 error = str(exc)
             self.writer.shutdown()
@@ -285,7 +314,8 @@ class Checkpointer:
         checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
         print(f"[ddpjob] saved {path}", flush=True)
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Until the save in flight (if any) is on disk; raises its StorageError."""
         pending, self.pending = self.pending, None
         if pending:
             pending.result()
@@ -338,7 +368,7 @@ def train(
         print_config(cfg)
 
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
-    weights = checkpoint.model_state(loaded.state, str(loaded.path)) if loaded else None
+    weights = checkpoint.model_state(loaded.state, str(loaded.path)) if loaded and not loaded.sharded else None
     model: nn.Module = build(cfg.model, cfg.seed, weights, str(loaded.path) if loaded else "").to(device)
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
     if cfg.strategy == "ddp":  # skip the start-up broadcast when all ranks loaded the same verified file
@@ -374,10 +404,14 @@ def train(
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
     progress = Progress()
     checkpointer = Checkpointer(cfg, env, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
-    resumed = loaded.state if loaded and loaded.resume else None
+    if loaded and loaded.sharded:  # DCP: read into the live model (and optimizer), at any world size
+        resumed = sharded.load(loaded.path, model, optimizer if loaded.resume else None) or None
+    else:
+        resumed = loaded.state if loaded and loaded.resume else None
     if resumed:
         for name in ("optimizer", "scheduler", "progress"):
-            checkpointer.stateful[name].load_state_dict(resumed[name])
+            if name in resumed:  # a DCP checkpoint has restored the optimizer already
+                checkpointer.stateful[name].load_state_dict(resumed[name])
         rng_states = resumed["rng"]
         if len(rng_states) == env.world_size:  # at another world size, reseeded streams are the best we can do
             rng.set_state(rng_states[env.rank])

@@ -1,0 +1,61 @@
+"""Checkpoint saves: how long the training loop is blocked, asynchronous vs synchronous.
+
+One process, a synthetic MLP of about 1 GiB fp32 with AdamW state (so each checkpoint is about
+3 GiB), ddpjob's own Checkpointer. Median of --repeats saves each.
+    python bench/save.py [--repeats 3] [--width 8192] [--depth 4]
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import median, table
+
+from ddpjob.config import Config
+from ddpjob.distenv import DistEnv
+from ddpjob.plugins import synthetic_mlp
+from ddpjob.train import Checkpointer, Progress
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--depth", type=int, default=4)
+    a = parser.parse_args()
+    model = synthetic_mlp(width=a.width, depth=a.depth)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # creates the moment buffers
+    env = DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500, "single")
+    rows, blocked = [], {}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        for mode in ("sync", "async"):
+            cfg = Config(checkpoint_dir=tmp, keep=1, save_mode=mode)
+            ckpt = Checkpointer(cfg, env, model=model, optimizer=optimizer, progress=Progress())
+            block, total = [], []
+            for step in range(1, a.repeats + 1):
+                start = time.perf_counter()
+                ckpt.save(step)
+                block.append(time.perf_counter() - start)
+                ckpt.wait()  # until the file is on disk
+                total.append(time.perf_counter() - start)
+            ckpt.close()
+            blocked[mode] = median(block)
+            file_size = max(Path(tmp).glob("step-*.pt")).stat().st_size
+            rows.append([mode, median(block), median(total), ", ".join(f"{b:.2f}" for b in block)])
+    table(
+        f"save: model {size / 2**30:.2f} GiB fp32 + AdamW, checkpoint {file_size / 2**30:.2f} GiB, "
+        f"median of {a.repeats}",
+        ["mode", "loop blocked (s)", "until on disk (s)", "blocked, each run"],
+        rows,
+    )
+    print(f"\nasync blocked / sync blocked = {blocked['async'] / blocked['sync']:.3f} (target <= 0.10)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Sharded (DCP) checkpoints loadable at other world sizes, conversions, and async saves equal to sync ones."""
+
+import re
+
+import pytest
+import torch
+
+from ddpjob import checkpoint, sharded
+from helpers import assert_bitwise_equal, ddpjob, final_params, ok, torchrun
+
+pytestmark = pytest.mark.slow
+DCP = ["--log-every", "1000", "--epochs", "3", "--save-every", "0", "--checkpoint-format", "dcp"]
+
+
+def params_line(out: str) -> str:
+    return re.search(r"done: step \d+ .* params (\w+)", out).group(1)
+
+
+def test_dcp_saved_at_world_size_2_loads_at_1_and_4_with_the_same_parameters(work):
+    saved = params_line(ok(torchrun([*DCP, "--max-steps", "20"], work)))
+    folder = work / "runs/ddpjob/checkpoints/step-20"
+    assert folder.is_dir() and sharded.verify(folder) is None
+    for world in (1, 4):  # --max-steps 20 again: load and stop, no training step
+        assert params_line(ok(torchrun([*DCP, "--max-steps", "20"], work, nproc=world))) == saved
+
+
+def test_dcp_resume_is_bitwise_equal_to_an_uninterrupted_run(work):
+    ok(torchrun([*DCP, "--max-steps", "25", "--run-dir", "whole"], work))
+    ok(torchrun([*DCP, "--max-steps", "9", "--run-dir", "split"], work))
+    ok(torchrun([*DCP, "--max-steps", "25", "--run-dir", "split"], work))
+    whole, split = (sharded.read_model(work / d / "checkpoints/step-25") for d in ("whole", "split"))
+    assert_bitwise_equal(whole, split)
+
+
+def test_incomplete_dcp_folder_is_skipped(work):
+    ok(torchrun([*DCP, "--max-steps", "10", "--save-every", "5"], work))
+    newest = work / "runs/ddpjob/checkpoints/step-10"
+    next(newest.glob("*.distcp")).write_bytes(b"")
+    assert checkpoint.latest_valid(newest.parent) == newest.with_name("step-5")
+
+
+def test_file_and_dcp_convert_both_ways_without_change(work):
+    ok(ddpjob(["train", "--epochs", "1", "--log-every", "1000"], work))
+    src = checkpoint.list_steps(work / "runs/ddpjob/checkpoints")[0][1]
+    ok(ddpjob(["ckpt", "convert", str(src), "as_dcp", "--to", "dcp"], work))
+    ok(ddpjob(["ckpt", "convert", "as_dcp", "back.pt", "--to", "ddpjob"], work))
+    original = checkpoint.read(src)["model"]
+    assert_bitwise_equal(original, sharded.read_model(work / "as_dcp"))
+    assert_bitwise_equal(original, checkpoint.read(work / "back.pt")["model"])
+
+
+def test_async_and_sync_saves_write_identical_loadable_checkpoints(work):
+    args = ["--epochs", "2", "--max-steps", "30", "--save-every", "10", "--log-every", "1000", "--keep", "5"]
+    for mode in ("sync", "async"):
+        ok(torchrun([*args, "--save-mode", mode, "--run-dir", mode], work))
+    for step in (10, 20, 30):
+        sync, async_ = (checkpoint.read(work / m / f"checkpoints/step-{step}.pt") for m in ("sync", "async"))
+        assert_bitwise_equal(sync["model"], async_["model"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            for i, state in sync["optimizer"]["state"].items():
+                assert torch.equal(state[key], async_["optimizer"]["state"][i][key])
+        assert sync["progress"] == async_["progress"] and sync["step"] == async_["step"] == step
+    assert_bitwise_equal(final_params(work / "sync"), final_params(work / "async"))
