@@ -4,6 +4,7 @@ Each case runs the real CLI entry point (`ddpjob.cli.main`) in-process with its 
 
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(name, argv, env, words, tmp_path
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err
-    lines = err.strip().splitlines()
+    lines = [re.sub(r"^\[node \d+ rank \d+\] ", "", line) for line in err.strip().splitlines()]  # distributed
     assert lines[0].startswith("ddpjob: error: ")
     if "does not fit" not in err:  # a mismatch lists one problem per line
         assert len(lines) == 1, err

@@ -143,7 +143,10 @@ def test_sigkilled_worker_of_a_two_node_job_is_restarted_bitwise(work, uninterru
     os.kill(workers_of(nodes[1].pid)[0], signal.SIGKILL)
     outs = [n.communicate(timeout=300)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
-    assert [s["restart"] for s in records(run_dir) if s["event"] == "start"] == [0, 1]
+    # The agent whose worker died counts a restart; the other re-rendezvouses without counting one,
+    # and either may hold rank 0 (which writes the metrics): look at the resume itself.
+    starts = [s for s in records(run_dir) if s["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["step"] > 0 and starts[1]["resumed_from"]
     assert_bitwise_equal(uninterrupted, final_params(run_dir))
 
 

@@ -38,8 +38,8 @@ class PrefixedStream:
 
 def prefix_output(env: DistEnv) -> None:
     prefix = f"[node {env.node_rank} rank {env.rank}] "
-    sys.stdout = PrefixedStream(sys.__stdout__ or sys.stdout, prefix)  # type: ignore[assignment,unused-ignore]
-    sys.stderr = PrefixedStream(sys.__stderr__ or sys.stderr, prefix)  # type: ignore[assignment,unused-ignore]
+    sys.stdout = PrefixedStream(sys.stdout, prefix)  # type: ignore[assignment,unused-ignore]
+    sys.stderr = PrefixedStream(sys.stderr, prefix)  # type: ignore[assignment,unused-ignore]
 
 
 def start_heartbeat(every: float, current_step: Callable[[], int]) -> threading.Event:
