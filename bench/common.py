@@ -32,6 +32,29 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
+def ddpjob_train(work: Path, model: str, data: str, *args: str) -> None:
+    """`ddpjob train` on 2 processes under torchrun, run dir `work`, fresh start."""
+    work.mkdir(parents=True, exist_ok=True)
+    run(
+        torchrun(
+            2,
+            "-m",
+            "ddpjob",
+            "train",
+            "--model",
+            model,
+            "--data",
+            data,
+            "--resume",
+            "never",
+            "--run-dir",
+            str(work),
+            *args,
+        ),
+        cwd=work,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from common import REPO, median, run, table, torchrun
+from common import REPO, ddpjob_train, median, run, table, torchrun
 
 WARM = 50
 
@@ -19,33 +19,20 @@ WARM = 50
 def ddpjob_steps_per_s(work: Path, a: argparse.Namespace) -> float:
     model = f"ddpjob.plugins:synthetic_mlp(width={a.width}, depth={a.depth})"
     data = f"ddpjob.plugins:synthetic(samples={a.samples})"
-    work.mkdir(parents=True, exist_ok=True)
-    run(
-        torchrun(
-            2,
-            "-m",
-            "ddpjob",
-            "train",
-            "--model",
-            model,
-            "--data",
-            data,
-            "--batch-size",
-            str(a.batch),
-            "--epochs",
-            "1000",
-            "--max-steps",
-            str(a.steps),
-            "--save-every",
-            "0",
-            "--log-every",
-            str(WARM),
-            "--resume",
-            "never",
-            "--run-dir",
-            str(work),
-        ),
-        cwd=work,
+    ddpjob_train(
+        work,
+        model,
+        data,
+        "--batch-size",
+        str(a.batch),
+        "--epochs",
+        "1000",
+        "--max-steps",
+        str(a.steps),
+        "--save-every",
+        "0",
+        "--log-every",
+        str(WARM),
     )
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["event"] == "train"]

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, median, run, table, torchrun
+from common import REPO, ddpjob_train, median, run, table, torchrun
 
 
 def main() -> None:
@@ -30,22 +30,12 @@ def main() -> None:
             )
             bare.append(float(re.search(r"startup (\S+)", out).group(1)))
             t0 = time.time()
-            run(
-                torchrun(
-                    2,
-                    "-m",
-                    "ddpjob",
-                    "train",
-                    "--model",
-                    "ddpjob.plugins:synthetic_mlp(width=256)",
-                    "--data",
-                    "ddpjob.plugins:synthetic(samples=4096)",
-                    "--max-steps",
-                    "1",
-                    "--run-dir",
-                    tmp,
-                ),
-                cwd=Path(tmp),
+            ddpjob_train(
+                Path(tmp),
+                "ddpjob.plugins:synthetic_mlp(width=256)",
+                "ddpjob.plugins:synthetic(samples=4096)",
+                "--max-steps",
+                "1",
             )
             records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
             ours.append(next(r["time"] for r in records if r["event"] == "start") - t0)

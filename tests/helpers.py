@@ -38,6 +38,36 @@ def ddpjob(args: Sequence[str], cwd: Path, timeout: float = 120, **env: str) -> 
     )
 
 
+def spawn(args: Sequence[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
+    """`python -m ddpjob ARGS` in the background, output captured."""
+    return subprocess.Popen(
+        [PY, "-m", "ddpjob", *args],
+        cwd=cwd,
+        env=clean_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def plain_env_ranks(
+    args: Sequence[str], cwd: Path, port: int, world: int = 2, **env: str
+) -> list[subprocess.Popen[str]]:
+    """`ddpjob train` as `world` processes with only RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set."""
+    return [
+        spawn(
+            ["train", *args],
+            cwd,
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            **env,
+        )
+        for r in range(world)
+    ]
+
+
 def torchrun(
     args: Sequence[str], cwd: Path, nproc: int = 2, timeout: float = 180, **env: str
 ) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob import checkpoint
-from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok
+from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, plain_env_ranks, spawn
 
 pytestmark = pytest.mark.slow
 # Slow enough per step that a signal lands mid-epoch: 128 steps per epoch per rank.
@@ -48,14 +48,7 @@ def wait_until(check, timeout: float, what: str) -> None:
 
 
 def launch(work: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [PY, "-m", "ddpjob", "launch", *args],
-        cwd=work,
-        env=clean_env(**(env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return spawn(["launch", *args], work, **(env or {}))
 
 
 def trained_steps(run_dir: Path) -> int:
@@ -266,18 +259,7 @@ def test_missing_node_fails_within_the_rendezvous_timeout(work, present):
 
 
 def test_peer_dying_mid_training_fails_the_survivor_instead_of_hanging(work):
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [PY, "-m", "ddpjob", "train", *JOB, "--collective-timeout", "10"],
-            cwd=work,
-            env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    procs = plain_env_ranks([*JOB, "--collective-timeout", "10"], work, free_port())
     wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 10, 120, "training to start")
     procs[1].kill()
     start = time.monotonic()

@@ -1,13 +1,12 @@
 """`ddpjob launch`: scheduler detection from each scheduler's real env shape, and real launches."""
 
 import socket
-import subprocess
 
 import pytest
 
 from ddpjob import config, launch
 from ddpjob.errors import UsageError
-from helpers import FAST, PY, clean_env, ddpjob, free_port, ok
+from helpers import FAST, ddpjob, free_port, ok, spawn
 
 SLURM = {
     "SLURM_JOB_ID": "4242",
@@ -121,13 +120,12 @@ def test_dry_run_prints_the_command_and_the_reason(work):
 def test_launch_runs_two_nodes_on_loopback(work):
     port = free_port()
     nodes = [
-        subprocess.Popen(
-            [PY, "-m", "ddpjob", "launch", *FAST],
-            cwd=work,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=clean_env(DDPJOB_NNODES="2", DDPJOB_NODE_RANK=str(n), DDPJOB_RDZV_ENDPOINT=f"127.0.0.1:{port}"),
+        spawn(
+            ["launch", *FAST],
+            work,
+            DDPJOB_NNODES="2",
+            DDPJOB_NODE_RANK=str(n),
+            DDPJOB_RDZV_ENDPOINT=f"127.0.0.1:{port}",
         )
         for n in range(2)
     ]

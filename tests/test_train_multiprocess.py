@@ -7,7 +7,19 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import FAST, PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, torchrun
+from helpers import (
+    FAST,
+    PY,
+    assert_bitwise_equal,
+    clean_env,
+    ddpjob,
+    final_params,
+    free_port,
+    ok,
+    plain_env_ranks,
+    spawn,
+    torchrun,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,41 +62,17 @@ def test_two_torchrun_agents_as_two_nodes_complete(work):
 def test_plain_env_processes_without_torchrun_complete(work, init):
     port = free_port()
     init_method = "env://" if init == "env://" else f"tcp://127.0.0.1:{port}"
-    procs = [
-        subprocess.Popen(
-            [PY, "-m", "ddpjob", "train", *FAST, "--init-method", init_method],
-            cwd=work,
-            env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    procs = plain_env_ranks([*FAST, "--init-method", init_method], work, port)
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "done:" in outs[0] and "world_size=" not in outs[1]
 
 
 def test_slurm_task_env_shape_without_srun_completes(work):
-    port = free_port()
+    port = str(free_port())
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost"}
     procs = [
-        subprocess.Popen(
-            [PY, "-m", "ddpjob", "train", *FAST],
-            cwd=work,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=clean_env(
-                SLURM_PROCID=str(r),
-                SLURM_NTASKS="2",
-                SLURM_LOCALID=str(r),
-                SLURM_NODEID="0",
-                SLURM_NNODES="1",
-                SLURM_JOB_NODELIST="localhost",
-                MASTER_PORT=str(port),
-            ),
-        )
+        spawn(["train", *FAST], work, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), MASTER_PORT=port, **slurm)
         for r in range(2)
     ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
