@@ -36,6 +36,11 @@ e2e: setup
 	bash tests/e2e/provision.sh
 	$(BIN)/pytest -q -m e2e tests/e2e
 
+# Benchmarks: each prints a table of medians; figures and how they were taken: bench/README.md.
+bench: setup
+	cd bench && ../$(BIN)/python loop.py && ../$(BIN)/python startup.py && ../$(BIN)/python save.py \
+		&& ../$(BIN)/python load.py && ../$(BIN)/python scale.py
+
 e2e-down:
 	bash tests/e2e/teardown.sh
 

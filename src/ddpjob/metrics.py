@@ -16,12 +16,9 @@ import torch
 
 
 class Metrics:
-    def __init__(
-        self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int, loss_scale: float
-    ) -> None:
+    def __init__(self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int) -> None:
         self.enabled, self.total, self.log_every = enabled, total_steps, log_every
         self.samples_per_step = samples_per_step
-        self.loss_scale = loss_scale  # the loop's losses are divided by --grad-accum
         self.file = None
         self.bar: Any = None
         self.loss_sum: torch.Tensor | None = None
@@ -57,7 +54,7 @@ class Metrics:
             return
         now = time.perf_counter()
         assert self.loss_sum is not None
-        loss_value = self.loss_sum.item() * self.loss_scale / self.count
+        loss_value = self.loss_sum.item() / self.count
         rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
         eta = (self.total - step) / rate if rate > 0 else 0.0
         if torch.cuda.is_available():  # a host-side counter: no device sync

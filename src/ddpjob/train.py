@@ -373,7 +373,7 @@ def train(
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
     if cfg.strategy == "ddp":  # skip the start-up broadcast when all ranks loaded the same verified file
         identical = loaded is not None and loaded.identical
-        if loaded is not None and identical and env.is_main and env.is_distributed:
+        if identical and loaded and env.is_main and env.is_distributed:
             print(f"[ddpjob] every rank holds the weights of {loaded.path.name}: DDP start-up broadcast skipped")
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
     elif cfg.strategy == "dp":
@@ -418,7 +418,7 @@ def train(
         checkpointer.last_saved = progress.step
 
     samples_per_step = cfg.batch_size * cfg.grad_accum * env.world_size
-    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, samples_per_step, cfg.log_every, cfg.grad_accum)
+    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, samples_per_step, cfg.log_every)
     metrics.start(
         progress.step,
         resumed_from=str(loaded.path) if resumed and loaded else None,
@@ -446,8 +446,8 @@ def train(
                 no_sync = model.no_sync() if isinstance(model, DDP) and not sync_now else contextlib.nullcontext()
                 with no_sync:
                     with autocast:
-                        loss = loss_fn(model(x), y) / cfg.grad_accum
-                    loss.backward()
+                        loss = loss_fn(model(x), y)
+                    (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
                 if not sync_now:
                     continue
                 optimizer.step()

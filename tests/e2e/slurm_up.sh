@@ -49,7 +49,7 @@ ClusterName=ci
 SlurmctldHost=$(hostname)($ctl_addr)
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$state/munge.sock
+AuthInfo=socket=$state/munge.sock,cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$state/state
