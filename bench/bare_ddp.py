@@ -1,7 +1,7 @@
 """A minimal hand-written DDP loop, the baseline for bench/loop.py, bench/startup.py and bench/gpu.sh.
 
-Same work as `ddpjob train` on the synthetic plug-ins: DistributedSampler, AdamW, cross-entropy,
-per-batch device moves; no checkpoints, no metrics file. Run under torchrun.
+Same work as `ddpjob train` on the synthetic plug-ins: DistributedSampler, AdamW with a cosine
+schedule, cross-entropy, per-batch device moves; no checkpoints, no metrics file. Run under torchrun.
     bare_ddp.py WIDTH DEPTH SAMPLES BATCH STEPS [cuda] [bf16]
 Prints `startup S` (seconds from process start to DDP-ready, by the wall clock) and
 `steps_per_s X` over the steps after the first 10.
@@ -33,7 +33,8 @@ def main() -> None:
     data = synthetic(samples=samples)
     sampler = DistributedSampler(data, seed=0)
     loader = DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True, pin_memory=cuda)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)  # ddpjob's defaults
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     loss_fn = nn.CrossEntropyLoss()
     done, epoch, start = 0, 0, 0.0
     while done < steps:
@@ -44,6 +45,7 @@ def main() -> None:
                 loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             done += 1
             if done == int(os.environ.get("BENCH_WARM", "10")):

@@ -20,7 +20,7 @@ from common import REPO, median, run, table, torchrun
 from ddpjob import checkpoint
 from ddpjob.plugins import synthetic_mlp
 
-DEPTH_PER_GIB = 4  # synthetic_mlp(width=8192): four 8192x8192 layers are 1 GiB of fp32
+HIDDEN_PER_GIB = 4  # synthetic_mlp(width=8192): four 8192x8192 hidden layers are 1 GiB of fp32
 MODES = {"naive": "(a) naive", "ddpjob": "(b) ddpjob default", "rank0": "(c) rank 0 + broadcast", "dcp": "(d) DCP"}
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-load-", dir=a.dir))
     try:
         for gib in map(int, a.sizes.split(",")):
-            depth = DEPTH_PER_GIB * gib
+            depth = HIDDEN_PER_GIB * gib + 1  # depth counts the input layer too
             single, sharded = make_checkpoints(work, depth)
             size = single.stat().st_size / 2**30
             if cold_ok:
@@ -92,7 +92,7 @@ def main() -> None:
                             cwd=work,
                             OMP_NUM_THREADS="1",
                         )
-                        ranks = re.findall(r"seconds (\S+) peak_gib (\S+) base_gib (\S+)", out)
+                        ranks = re.findall(r"seconds ([\d.]+) peak_gib ([\d.]+) base_gib ([\d.]+)", out)
                         times.append(max(float(t) for t, _, _ in ranks))
                         peaks.append(max(float(p) for _, p, _ in ranks))
                         deltas.append(max(float(p) - float(b) for _, p, b in ranks))

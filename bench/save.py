@@ -2,7 +2,7 @@
 
 One process, a synthetic MLP of about 1 GiB fp32 with AdamW state (so each checkpoint is about
 3 GiB), ddpjob's own Checkpointer. Median of --repeats saves each.
-    python bench/save.py [--repeats 3] [--width 8192] [--depth 4]
+    python bench/save.py [--repeats 3] [--width 8192] [--depth 5]
 """
 
 import argparse
@@ -23,7 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=8192)
-    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=5)
     a = parser.parse_args()
     model = synthetic_mlp(width=a.width, depth=a.depth)
     size = sum(p.numel() * p.element_size() for p in model.parameters())

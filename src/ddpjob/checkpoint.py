@@ -9,13 +9,14 @@ unwrapped: no ``module.`` prefix, whatever wrapper (DataParallel, DDP) trained t
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pickle
 import re
 import shutil
 import sys
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -119,6 +120,40 @@ def save(obj: Any, path: Path) -> None:
         ) from None
 
 
+class BackgroundSave:
+    """save() in a forked child process. The child sees the parent's memory as it was at the fork
+    (copy-on-write), so the caller is blocked only for the fork itself, however large the state;
+    the parent trains on and changes its tensors meanwhile. CPU tensors only (copy others first)."""
+
+    def __init__(self, obj: Any, path: Path, after: Callable[[], None]) -> None:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: write, report, and leave without running the parent's exit handlers
+            os.close(read_fd)
+            code = 0
+            try:
+                save(obj, path)
+                after()
+            except StorageError as exc:
+                os.write(write_fd, str(exc).encode())
+                code = 3
+            except BaseException as exc:
+                os.write(write_fd, f"cannot write checkpoint {path}: {exc}".encode())
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        self.pid, self.fd, self.path = pid, read_fd, path
+
+    def wait(self) -> None:
+        """Until the file is on disk; raises StorageError if the child could not write it."""
+        _, status = os.waitpid(self.pid, 0)
+        with os.fdopen(self.fd, "rb") as f:
+            message = f.read().decode(errors="replace")
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise StorageError(message or f"cannot write checkpoint {self.path}: writer exited with status {status}")
+
+
 def verify(path: Path) -> str | None:
     """None if path matches its manifest, else the reason it does not."""
     if path.is_dir():
@@ -138,10 +173,15 @@ def verify(path: Path) -> str | None:
 
 
 def file_crc(path: Path) -> int:
+    """CRC-32 of the file, read through a memory map (no copy; the pages stay cached for the load)."""
+    if path.stat().st_size == 0:
+        return 0
     crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        for start in range(0, len(view), _CHUNK):
+            crc = zlib.crc32(view[start : start + _CHUNK], crc)
+        view.release()
     return crc
 
 

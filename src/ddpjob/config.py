@@ -56,7 +56,9 @@ class Config:
         ("file", "dcp"),
     )
     save_mode: str = _opt(
-        "sync", "async: the loop waits only for a copy to CPU memory; a thread writes", ("sync", "async")
+        "sync",
+        "async: the loop waits only for a fork (and a copy of GPU tensors); a child process writes",
+        ("sync", "async"),
     )
     on_save_error: str = _opt(
         "fail", "fail: exit 3 when a checkpoint cannot be written; warn: log and go on", ("fail", "warn")

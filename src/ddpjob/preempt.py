@@ -1,8 +1,8 @@
 """Stop on a signal at a step boundary that every rank agrees on.
 
 SIGTERM (Kubernetes, docker stop), SIGINT and SIGUSR1 (Slurm ``--signal``) only set a flag. Every
-``stop_check_every`` steps the ranks take the maximum of their flags, so all of them stop after
-the same step, rank 0 checkpoints, and all exit with EXIT_PREEMPTED.
+``stop_check_every`` steps the ranks take the maximum of their flags (without waiting for it), so
+all of them stop after the same step, rank 0 checkpoints, and all exit with EXIT_PREEMPTED.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class StopSignal:
         self.check_every = check_every
         self.received = 0
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.pending: dist.Work | None = None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -35,14 +36,29 @@ class StopSignal:
         self.received = signum
 
     def agreed(self, step: int) -> bool:
-        """True on every rank, at the same step, once any rank got a stop signal."""
+        """True on every rank, at the same step, once any rank got a stop signal.
+
+        The max of the flags is taken with an asynchronous all-reduce that is started at one check
+        and read at the next, so the loop never waits for it: a signal stops training within two
+        check intervals."""
         if step % self.check_every:
             return False
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return bool(self.received)
-        self.flag.fill_(self.received)
-        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
-        return bool(self.flag.item())
+        stop = False
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending, stop = None, bool(self.flag.item())
+        if not stop:
+            self.flag.fill_(self.received)
+            self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        return stop
+
+    def finish(self) -> None:
+        """Complete the all-reduce in flight, before other collectives' results are needed."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
 
     @staticmethod
     def restore_defaults() -> None:

@@ -13,7 +13,6 @@ import hashlib
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -225,29 +224,29 @@ def evaluate(
     return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
 
 
-def cpu_snapshot(obj: Any) -> Any:
-    """A copy of a (nested) state dict with every tensor copied to CPU memory."""
+def on_cpu(obj: Any) -> Any:
+    """A (nested) state dict with every device tensor copied to CPU memory (CPU tensors as they are)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu")
     if isinstance(obj, dict):
-        return {k: cpu_snapshot(v) for k, v in obj.items()}
+        return {k: on_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(cpu_snapshot(v) for v in obj)
+        return type(obj)(on_cpu(v) for v in obj)
     return obj
 
 
 class Checkpointer:
     """Saves the Stateful objects of the run. Rank 0 writes; every rank learns whether it worked.
 
-    ``--save-mode async`` blocks the loop only for the copy of the state to CPU memory; a
-    background thread serialises and writes it (same atomic file + manifest), one save at a time.
+    ``--save-mode async`` blocks the loop only for the copy of device tensors to CPU memory and
+    a fork; a child process serialises and writes a copy-on-write snapshot (same atomic file and
+    manifest), one save at a time.
     """
 
     def __init__(self, cfg: Config, env: DistEnv, **stateful: Any) -> None:
         self.cfg, self.env, self.stateful = cfg, env, stateful
         self.last_saved = -1
-        self.writer = ThreadPoolExecutor(1, "ddpjob-save") if cfg.save_mode == "async" and env.is_main else None
-        self.pending: Future[None] | None = None
+        self.pending: checkpoint.BackgroundSave | None = None
 
     def save(self, step: int) -> None:
         rng_states: list[Any] = [rng.get_state()]
@@ -272,10 +271,12 @@ class Checkpointer:
                 state = {name: obj.state_dict() for name, obj in self.stateful.items()}
                 state["model"] = checkpoint.unwrap(self.stateful["model"]).state_dict()
                 state.update(about)
-                if self.writer:
-                    self.pending = self.writer.submit(self._write, cpu_snapshot(state), step)
+                path = checkpoint.path_for(self.cfg.checkpoint_path, step)
+                if self.cfg.save_mode == "async":
+                    self.pending = checkpoint.BackgroundSave(on_cpu(state), path, lambda: self._done(path))
                 else:
-                    self._write(state, step)
+                    checkpoint.save(state, path)
+                    self._done(path)
             except StorageError as exc:
                 error = str(exc)
         self._agree(error)
@@ -300,17 +301,13 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a save in flight; every rank learns whether it worked."""
         error = ""
-        if self.writer:
-            try:
-                self.wait()
-            except StorageError as exc:
-                error = str(exc)
-            self.writer.shutdown()
+        try:
+            self.wait()
+        except StorageError as exc:
+            error = str(exc)
         self._agree(error)
 
-    def _write(self, state: dict[str, Any], step: int) -> None:
-        path = checkpoint.path_for(self.cfg.checkpoint_path, step)
-        checkpoint.save(state, path)
+    def _done(self, path: Path) -> None:
         checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
         print(f"[ddpjob] saved {path}", flush=True)
 
@@ -318,7 +315,7 @@ class Checkpointer:
         """Until the save in flight (if any) is on disk; raises its StorageError."""
         pending, self.pending = self.pending, None
         if pending:
-            pending.result()
+            pending.wait()
 
     def _agree(self, error: str) -> None:
         """Rank 0 tells everyone how its save went (also the barrier after a save)."""
@@ -425,12 +422,14 @@ def train(
         world_size=env.world_size,
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     )
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.precision == "bf16" and device.type == "cuda")
+    bf16 = cfg.precision == "bf16" and device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     stop = StopSignal(cfg.stop_check_every, device)
     heartbeat = start_heartbeat(cfg.heartbeat, lambda: progress.step) if cfg.heartbeat else None
     loss_fn = nn.CrossEntropyLoss()
     batches_per_epoch = steps_per_epoch * cfg.grad_accum
     exit_code, start_time = EXIT_OK, time.perf_counter()
+    gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short
 
     try:
         while progress.epoch < cfg.epochs and progress.step < total_steps:
@@ -479,6 +478,7 @@ def train(
                         )
                 progress.epoch, progress.batch = progress.epoch + 1, 0
 
+        stop.finish()
         if checkpointer.last_saved != progress.step:
             checkpointer.save(progress.step)
         checkpointer.close()
@@ -499,5 +499,6 @@ def train(
     finally:
         metrics.close(step=progress.step, exit_code=exit_code)
         StopSignal.restore_defaults()
+        gc.unfreeze()
         if heartbeat:
             heartbeat.set()
