@@ -169,3 +169,17 @@ def test_ckpt_convert_strips_and_adds_the_prefix_and_exports(work, saved_from_wr
     ok(ddpjob(["ckpt", "convert", "w.safetensors", "ours.pt", "--to", "ddpjob"], work))
     assert checkpoint.verify(work / "ours.pt") is None
     assert "format:     ddpjob checkpoint" in ok(ddpjob(["ckpt", "inspect", "ours.pt"], work))
+
+
+@pytest.mark.slow
+def test_tensorboard_gets_the_same_scalars_as_the_metrics_file(work):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ok(torchrun([*FAST, "--log-every", "5", "--tensorboard", "tb"], work))
+    events = EventAccumulator(str(work / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/samples_per_s", "eval/accuracy", "final/accuracy"} <= tags
+    records = plot.read_metrics(work / "runs/ddpjob/metrics.jsonl")
+    losses = [r["loss"] for r in records if r["event"] == "train"]
+    assert [round(e.value, 4) for e in events.Scalars("train/loss")] == [round(v, 4) for v in losses]

@@ -7,6 +7,7 @@ every source are parsed and validated here, so bad input fails before any networ
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -69,6 +70,7 @@ class Config:
         "mmap", "mmap: every rank maps the file; rank0: rank 0 reads and broadcasts (no shared fs)", ("mmap", "rank0")
     )
     log_every: int = _opt(10, "log a line every N steps on rank 0")
+    tensorboard: str = _opt("", "also write the metrics as TensorBoard scalars to DIR (needs the tensorboard package)")
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
     heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
     # node level (ddpjob launch)
@@ -199,6 +201,8 @@ def validate(cfg: Config) -> None:
         raise UsageError(
             "--checkpoint-format dcp writes and reads on every rank; use --save-mode sync --load-mode mmap"
         )
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError(f"--tensorboard {cfg.tensorboard} needs the tensorboard package; pip install tensorboard")
     if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):
         raise UsageError(f"--init-method {cfg.init_method!r} must be env:// or tcp://HOST:PORT")
     for name in ("resume", "init_from"):

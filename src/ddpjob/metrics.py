@@ -1,4 +1,5 @@
-"""What rank 0 reports: JSON-lines metrics (appended across restarts) and progress on stdout.
+"""What rank 0 reports: JSON-lines metrics (appended across restarts), optionally the same as
+TensorBoard scalars (``--tensorboard DIR``), and progress on stdout.
 
 Losses are accumulated on the device and read back only at logging intervals, so the loop has
 no per-step host sync.
@@ -16,10 +17,17 @@ import torch
 
 
 class Metrics:
-    def __init__(self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int) -> None:
+    def __init__(
+        self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int, tensorboard: str = ""
+    ) -> None:
         self.enabled, self.total, self.log_every = enabled, total_steps, log_every
         self.samples_per_step = samples_per_step
         self.file = None
+        self.tb: Any = None
+        if enabled and tensorboard:  # the same records, as TensorBoard scalars
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tensorboard)
         self.bar: Any = None
         self.loss_sum: torch.Tensor | None = None
         self.count, self.last_time, self.last_step = 0, time.perf_counter(), 0
@@ -38,6 +46,10 @@ class Metrics:
     def write(self, **record: Any) -> None:
         if self.file:
             self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        if self.tb is not None and "step" in record:
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
+                    self.tb.add_scalar(f"{record['event']}/{key}", value, record["step"])
 
     def step(self, step: int, epoch: int, loss: torch.Tensor) -> None:
         """Called every optimizer step with the step's loss tensor (not read back here)."""
@@ -88,3 +100,6 @@ class Metrics:
         if self.file:
             self.file.close()
             self.file = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

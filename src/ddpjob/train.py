@@ -415,7 +415,7 @@ def train(
         checkpointer.last_saved = progress.step
 
     samples_per_step = cfg.batch_size * cfg.grad_accum * env.world_size
-    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, samples_per_step, cfg.log_every)
+    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, samples_per_step, cfg.log_every, cfg.tensorboard)
     metrics.start(
         progress.step,
         resumed_from=str(loaded.path) if resumed and loaded else None,
