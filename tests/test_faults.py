@@ -233,29 +233,25 @@ def test_read_only_checkpoint_dir_is_bad_input_before_training(work):
     assert "is not writable" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("present", [0, 1])
-def test_missing_node_fails_within_the_rendezvous_timeout(work, present):
+@pytest.mark.parametrize(
+    ("nnodes", "present", "count"),
+    [
+        (3, [0, 1], "2 of 3 nodes joined"),  # the store host is up: the message counts who came
+        (2, [1], "no count of joined nodes: reading the state from"),  # node 0 (the store) is missing
+    ],
+)
+def test_missing_node_fails_within_the_rendezvous_timeout_saying_how_many_joined(work, nnodes, present, count):
     port = free_port()
     start = time.monotonic()
-    proc = ddpjob(
-        [
-            "launch",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(present),
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-timeout",
-            "5",
-        ],
-        work,
-        timeout=60,
-    )
+    flags = ["--nnodes", str(nnodes), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "6"]
+    procs = [spawn(["launch", *flags, "--node-rank", str(r), "--run-dir", f"runs/{r}"], work) for r in present]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
     elapsed = time.monotonic() - start
-    assert proc.returncode == 1
-    assert f"rendezvous at 127.0.0.1:{port} for 2 nodes failed" in proc.stderr
-    assert elapsed < 5 + 20, elapsed  # timeout + start-up and connect retries
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 1, out[-2000:]
+        assert f"rendezvous at 127.0.0.1:{port} for {nnodes} nodes failed" in out
+        assert count in out and "Traceback" not in out, out[-2000:]
+    assert elapsed < 6 + 20, elapsed  # timeout + start-up and connect retries
 
 
 def test_peer_dying_mid_training_fails_the_survivor_instead_of_hanging(work):

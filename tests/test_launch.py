@@ -1,11 +1,16 @@
 """`ddpjob launch`: scheduler detection from each scheduler's real env shape, and real launches."""
 
+import base64
+import datetime
+import os
+import pickle
 import socket
 
 import pytest
 
 from ddpjob import config, launch
 from ddpjob.errors import UsageError
+from ddpjob.rendezvous_watch import Joined, RendezvousWatch, decode_state
 from helpers import FAST, ddpjob, free_port, ok, spawn
 
 SLURM = {
@@ -140,3 +145,39 @@ def test_launch_exits_with_the_workers_bad_input_code(work):
     proc = ddpjob(["launch", "--model", "no.such.module:model"], work)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cannot import 'no.such.module'" in proc.stderr
+
+
+def _stored(state: object) -> bytes:
+    """The value torch's c10d rendezvous backend keeps in the store: base64 of a pickle."""
+    return base64.b64encode(pickle.dumps(state))
+
+
+def test_rendezvous_state_decodes_to_the_nodes_that_joined():
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    state = _RendezvousState()
+    state.participants = {_NodeDesc("node-a", 10, 0): 0, _NodeDesc("node-b", 11, 0): 1}
+    state.wait_list = {_NodeDesc("node-c", 12, 0)}
+    state.deadline = datetime.datetime.now(datetime.timezone.utc)
+    state.last_heartbeats = {n: datetime.datetime.now(datetime.timezone.utc) for n in state.participants}
+    assert decode_state(_stored(state)) == Joined(("node-a", "node-b", "node-c"), False)
+    assert decode_state(b"Y2FuaW1hZGFt") == Joined((), False)  # written before any node joined
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_rendezvous_state_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError, match="unexpected"):
+        decode_state(_stored(_Payload()))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_rendezvous_summary_counts_and_names_at_most_eight_hosts():
+    watch = RendezvousWatch("node-0:29500", "job", 64, 300)
+    assert "no count of joined nodes" in watch.summary()
+    watch.last = Joined(tuple(f"n{i}" for i in range(10)), False)
+    assert watch.summary() == "10 of 64 nodes joined (n0, n1, n2, n3, n4, n5, n6, n7 and 2 more)"

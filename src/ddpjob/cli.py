@@ -87,8 +87,15 @@ def _ckpt(argv: Sequence[str]) -> int:
 
 
 def _launch(argv: Sequence[str]) -> int:
+    # The agent's C++ store warnings (a peer's store closing) come with a frame dump each; the
+    # failure is reported in one line instead. c10 reads the level once, when torch loads, so the
+    # workers still get the user's setting. TORCH_CPP_LOG_LEVEL=INFO shows everything again.
+    user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "ERROR"
     from ddpjob import launch
 
+    if user_level is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
     return launch.main(argv)
 
 

@@ -15,6 +15,7 @@ Detection, first match wins; explicit flags / DDPJOB_* settings override any det
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -30,6 +31,7 @@ from ddpjob import config, doctor
 from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
 from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError
 from ddpjob.plugins import load_callable
+from ddpjob.rendezvous_watch import RendezvousWatch
 
 HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default misses Slurm's SIGUSR1
 
@@ -193,14 +195,14 @@ def main(argv: Sequence[str]) -> int:
     if not doctor.report(doctor.run(cfg, plan, brief=True), brief=True):
         raise UsageError("preflight check failed (see the fix above); `ddpjob doctor` shows every check")
     record_attempt(cfg, plan, event="start")
-    code, reason = run_torchrun(cmd, plan)
+    code, reason = run_torchrun(cmd, plan, cfg.rdzv_timeout)
     record_attempt(cfg, plan, event="end", exit_code=code, reason=reason)
     if code:
         print(f"[ddpjob] launch: node {node_name(plan)}: {reason}", file=sys.stderr, flush=True)
     return code
 
 
-def run_torchrun(cmd: list[str], plan: Plan) -> tuple[int, str]:
+def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float) -> tuple[int, str]:
     """Run torchrun in this process; (exit code, reason in one line)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -208,8 +210,10 @@ def run_torchrun(cmd: list[str], plan: Plan) -> tuple[int, str]:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # elastic restarts after a SIGKILLed worker
+    watch = RendezvousWatch(plan.endpoint, plan.rdzv_id, plan.nnodes, rdzv_timeout)
     try:
-        torchrun.run(torchrun.parse_args(cmd))
+        with watch if plan.endpoint else contextlib.nullcontext():
+            torchrun.run(torchrun.parse_args(cmd))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
@@ -219,8 +223,9 @@ def run_torchrun(cmd: list[str], plan: Plan) -> tuple[int, str]:
     except RendezvousError as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return EXIT_FAILED, (
-            f"rendezvous at {plan.endpoint} for {plan.nnodes} nodes failed: {detail}; not all nodes arrived "
-            f"within the rendezvous timeout: check that every node started and can reach {plan.endpoint}"
+            f"rendezvous at {plan.endpoint} for {plan.nnodes} nodes failed ({detail}): {watch.summary()} "
+            f"within the {rdzv_timeout} s rendezvous timeout; check that every node started and can reach "
+            f"{plan.endpoint} (node 0 hosts the store)"
         )
     return 0, "finished"
 
