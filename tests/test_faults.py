@@ -75,7 +75,7 @@ def uninterrupted(tmp_path_factory) -> dict:
     return final_params(work / "runs/ddpjob")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_stop_signal_checkpoints_exits_75_and_resumes_bitwise(work, uninterrupted, sig):
     run_dir = work / "runs/ddpjob"
     agent = launch(work, "--nproc-per-node", "2", *JOB)
@@ -254,14 +254,69 @@ def test_missing_node_fails_within_the_rendezvous_timeout_saying_how_many_joined
     assert elapsed < 6 + 20, elapsed  # timeout + start-up and connect retries
 
 
-def test_peer_dying_mid_training_fails_the_survivor_instead_of_hanging(work):
+@pytest.mark.parametrize(
+    ("fault", "within", "words"),
+    [
+        (signal.SIGKILL, 10, "Connection reset by peer"),  # the peer's sockets close: noticed at once
+        (signal.SIGSTOP, 10 + 10, "Timed out waiting 10000ms"),  # a hung peer: cut off by the timeout
+    ],
+)
+def test_dead_or_hung_peer_fails_the_survivor_in_one_line_instead_of_hanging(work, fault, within, words):
     procs = plain_env_ranks([*JOB, "--collective-timeout", "10"], work, free_port())
     wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 10, 120, "training to start")
-    procs[1].kill()
+    procs[1].send_signal(fault)
     start = time.monotonic()
-    out = procs[0].communicate(timeout=60)[0]
-    assert procs[0].returncode not in (0, None), out[-2000:]
-    assert time.monotonic() - start < 10 + 10
+    try:
+        out = procs[0].communicate(timeout=60)[0]
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 1, out[-2000:]
+    assert time.monotonic() - start < within
+    assert "rank 0: a collective failed (" in out and words in out and "Traceback" not in out, out[-2000:]
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, as two nodes on one link: (ns, ifname, addr)."""
+    hosts = [("ddpjob-part-a", "ddpj-pa", "198.19.1.1"), ("ddpjob-part-b", "ddpj-pb", "198.19.1.2")]
+    sh = subprocess.run
+    for ns, _, _ in hosts:
+        sh(["ip", "netns", "del", ns], capture_output=True)  # left over from an interrupted run
+        sh(["ip", "netns", "add", ns], check=True)
+        sh(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+    (a, a_if, _), (b, b_if, _) = hosts
+    sh(["ip", "link", "add", a_if, "netns", a, "type", "veth", "peer", "name", b_if, "netns", b], check=True)
+    for ns, ifname, addr in hosts:
+        sh(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", ifname], check=True)
+        sh(["ip", "-n", ns, "link", "set", ifname, "up"], check=True)
+    yield hosts
+    for ns, _, _ in hosts:
+        sh(["ip", "netns", "del", ns], check=True)
+
+
+@root_only
+def test_node_losing_its_network_fails_every_rank_within_the_collective_timeout(work, two_hosts):
+    port = free_port()
+    procs = []
+    for rank, (ns, ifname, _) in enumerate(two_hosts):
+        env = clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=two_hosts[0][2], MASTER_PORT=str(port))
+        cmd = ["ip", "netns", "exec", ns, PY, "-m", "ddpjob", "train", *JOB, "--collective-timeout", "10"]
+        env["GLOO_SOCKET_IFNAME"] = ifname
+        procs.append(
+            subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 10, 120, "training to start")
+    ns, ifname, _ = two_hosts[1]
+    subprocess.run(["ip", "-n", ns, "link", "set", ifname, "down"], check=True)  # node 1 is cut off
+    start = time.monotonic()
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    elapsed = time.monotonic() - start
+    print(f"\nnetwork loss: both ranks exited in {elapsed:.1f}s:", *[o.splitlines()[-1] for o in outs], sep="\n")
+    assert elapsed < 10 + 10
+    for rank, (proc, out) in enumerate(zip(procs, outs, strict=True)):
+        assert proc.returncode == 1, out[-2000:]
+        assert f"rank {rank}: a collective failed (" in out and "Traceback" not in out, out[-2000:]
 
 
 def test_metrics_and_attempts_append_across_restarts(work):

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ddpjob import config
-from ddpjob.errors import EXIT_FAILED, EXIT_OK, StorageError, UsageError, exit_code_for
+from ddpjob.errors import EXIT_FAILED, EXIT_OK, PeerLost, StorageError, UsageError, exit_code_for
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command is None:
             raise UsageError(f"unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}")
         return command[0](argv[1:])
-    except (UsageError, StorageError) as exc:
+    except (UsageError, StorageError, PeerLost) as exc:
         print(f"ddpjob: error: {exc}", file=sys.stderr, flush=True)
         return exit_code_for(exc)
     except KeyboardInterrupt:

@@ -19,6 +19,13 @@ class StorageError(Exception):
     """A checkpoint could not be written (permissions, disk full). Exit code EXIT_STORAGE."""
 
 
+class PeerLost(Exception):
+    """A collective failed: a peer died, hung past the collective timeout, or lost its network.
+
+    One line instead of the backend's traceback; exit code EXIT_FAILED, so torchrun may restart.
+    """
+
+
 def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, UsageError):
         return EXIT_BAD_INPUT

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import hashlib
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from ddpjob import checkpoint, rng, sharded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
-from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, StorageError, UsageError, exit_code_for
+from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, StorageError, UsageError, exit_code_for
 from ddpjob.logs import start_heartbeat
 from ddpjob.metrics import Metrics
 from ddpjob.plugins import build_data, build_model, load_callable
@@ -335,6 +336,18 @@ class Checkpointer:
             )
 
 
+def is_peer_failure(exc: RuntimeError) -> bool:
+    """Gloo and NCCL report a dead or hung peer as a RuntimeError (or DistError) from a collective."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(s in text for s in ("gloo/", "NCCL", "Connection reset"))
+
+
+def backend_message(exc: RuntimeError) -> str:
+    """The backend's first sentence, without its source location: 'Timed out waiting 10000ms ...'."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0].rstrip(".")
+
+
 def run(cfg: Config, env: DistEnv) -> int:
     check_setup(cfg, env)
     device = pick_device(cfg, env)
@@ -345,6 +358,14 @@ def run(cfg: Config, env: DistEnv) -> int:
         init_process_group(cfg, env, device)
     try:
         return train(cfg, env, device, train_set, val_set, share_source(cfg, env, loaded))
+    except RuntimeError as exc:
+        if dist.is_initialized() and is_peer_failure(exc):
+            raise PeerLost(
+                f"rank {env.rank}: a collective failed ({backend_message(exc)}); a peer died, hung longer than "
+                f"--collective-timeout ({cfg.collective_timeout:g} s) or lost its network: that peer's log says "
+                "which; a restart (--max-restarts, requeue) resumes from the newest checkpoint"
+            ) from None
+        raise
     finally:
         # DDP's reducer sits in reference cycles; freed at interpreter exit, its pending gloo work
         # aborts the process ("terminate called without an active exception"). Free it now.
