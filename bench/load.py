@@ -1,8 +1,8 @@
 """Model loading on 2 local ranks: time from the start of loading to DDP-ready, and peak RSS per
-rank, for (a) naive, (b) ddpjob's default, (c) rank 0 + DDP broadcast, (d) DCP; 1 and 2 GiB fp32
+rank, for (a) naive, (b) ddpjob's default, (c) --load-mode rank0, (d) DCP; 1 and 2 GiB fp32
 models; warm and cold page cache (cold needs root: echo 3 > /proc/sys/vm/drop_caches). Also the
 machine's floors measured in the same run: disk read, page-cache read and memory copy bandwidth.
-    python bench/load.py [--repeats 3] [--sizes 1,2] [--dir DIR]
+    python bench/load.py [--repeats 3] [--sizes 1,2] [--modes naive,ddpjob,rank0,dcp] [--dir DIR]
 """
 
 import argparse
@@ -21,7 +21,7 @@ from ddpjob import checkpoint
 from ddpjob.plugins import synthetic_mlp
 
 HIDDEN_PER_GIB = 4  # synthetic_mlp(width=8192): four 8192x8192 hidden layers are 1 GiB of fp32
-MODES = {"naive": "(a) naive", "ddpjob": "(b) ddpjob default", "rank0": "(c) rank 0 + broadcast", "dcp": "(d) DCP"}
+MODES = {"naive": "(a) naive", "ddpjob": "(b) ddpjob default", "rank0": "(c) --load-mode rank0", "dcp": "(d) DCP"}
 
 
 def drop_caches() -> bool:
@@ -63,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default="1,2", help="GiB, comma separated")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma separated, of " + ", ".join(MODES))
     parser.add_argument("--dir", type=Path, default=REPO / "runs", help="where the checkpoints are written")
     a = parser.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
@@ -79,8 +80,9 @@ def main() -> None:
                 floors.append([f"{size:.2f} GiB file", "disk read (cold)", f"{read_gbps(single):.2f} GB/s"])
             floors.append([f"{size:.2f} GiB file", "page-cache read (warm)", f"{read_gbps(single):.2f} GB/s"])
             for cache in ["warm", "cold"] if cold_ok else ["warm"]:
-                for mode, label in MODES.items():
-                    times, peaks, deltas = [], [], []
+                for mode in a.modes.split(","):
+                    label = MODES[mode]
+                    times, peaks, deltas, anons = [], [], [], []
                     for _ in range(a.repeats):
                         source = sharded if mode == "dcp" else single
                         if cache == "cold":
@@ -92,10 +94,13 @@ def main() -> None:
                             cwd=work,
                             OMP_NUM_THREADS="1",
                         )
-                        ranks = re.findall(r"seconds ([\d.]+) peak_gib ([\d.]+) base_gib ([\d.]+)", out)
-                        times.append(max(float(t) for t, _, _ in ranks))
-                        peaks.append(max(float(p) for _, p, _ in ranks))
-                        deltas.append(max(float(p) - float(b) for _, p, b in ranks))
+                        ranks = re.findall(
+                            r"seconds ([\d.]+) peak_gib ([\d.]+) base_gib ([\d.]+) anon_gib ([\d.]+)", out
+                        )
+                        times.append(max(float(t) for t, _, _, _ in ranks))
+                        peaks.append(max(float(p) for _, p, _, _ in ranks))
+                        deltas.append(max(float(p) - float(b) for _, p, b, _ in ranks))
+                        anons.append(max(float(a) for _, _, _, a in ranks))
                     rows.append(
                         [
                             f"{size:.2f}",
@@ -105,6 +110,8 @@ def main() -> None:
                             median(peaks),
                             median(deltas),
                             median(deltas) / size,
+                            median(anons),
+                            median(anons) / size,
                         ]
                     )
         floors.append(["1 GiB tensor", "memory copy (copy_, 1 thread)", f"{copy_gibps():.2f} GiB/s"])
@@ -112,8 +119,18 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     table(
         f"load: 2 local ranks, gloo, median of {a.repeats} (peak = VmHWM of the larger rank; delta = over its "
-        "RSS before loading)",
-        ["GiB", "cache", "way", "s to DDP-ready", "peak RSS GiB", "delta GiB", "delta / size"],
+        "RSS before loading; private = peak RssAnon growth, without the file's shared page-cache pages)",
+        [
+            "GiB",
+            "cache",
+            "way",
+            "s to DDP-ready",
+            "peak RSS GiB",
+            "delta GiB",
+            "delta / size",
+            "private GiB",
+            "private / size",
+        ],
         rows,
     )
     table("floors, measured in the same run", ["on", "what", "bandwidth"], floors)
@@ -123,7 +140,7 @@ def main() -> None:
         if naive and ours:
             print(
                 f"{gib} GiB warm: ddpjob {naive[3] / ours[3]:.1f}x faster than naive (target >= 4), "
-                f"peak delta {ours[6]:.2f}x the checkpoint (target <= 1.2)"
+                f"peak delta {ours[6]:.2f}x the checkpoint, private {ours[8]:.2f}x (target <= 1.2)"
             )
     if not cold_ok:
         print("cold cache not measured: writing /proc/sys/vm/drop_caches needs root")

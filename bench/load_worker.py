@@ -1,9 +1,12 @@
 """One rank of bench/load.py: load a checkpoint one way, wrap in DDP, report time and memory.
     torchrun --nproc-per-node 2 bench/load_worker.py MODE CKPT WIDTH DEPTH
-MODE: naive | ddpjob | rank0 | dcp. Prints `rank R seconds S peak_gib P base_gib B`.
+MODE: naive | ddpjob | rank0 | dcp. Prints `rank R seconds S peak_gib P base_gib B anon_gib A`:
+VmHWM (which counts the file's page-cache pages this process mapped and touched, shared and
+reclaimable) and the peak of RssAnon (private memory) over the load, sampled every 2 ms.
 """
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,13 +25,32 @@ def status_gib(key: str) -> float:
     return int(line.split()[1]) / 2**20
 
 
+class AnonPeak:
+    """Highest RssAnon seen while loading, from a sampling thread."""
+
+    def __init__(self) -> None:
+        self.peak, self.done = status_gib("RssAnon"), threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+
+    def sample(self) -> None:
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, status_gib("RssAnon"))
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, status_gib("RssAnon"))
+
+
 def main() -> None:
     mode, path, width, depth = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     spec = f"ddpjob.plugins:synthetic_mlp(width={width}, depth={depth})"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    base = status_gib("VmRSS")
+    base, anon_base = status_gib("VmRSS"), status_gib("RssAnon")
     dist.barrier()
+    anon = AnonPeak()
     start = time.perf_counter()
     if mode == "naive":  # the tutorial way: build, full torch.load, copy in, DDP broadcasts
         model = synthetic_mlp(width=width, depth=depth)
@@ -41,14 +63,10 @@ def main() -> None:
         dist.all_gather_object(seen, checkpoint.identity(path))
         assert len(set(seen)) == 1
         model = DDP(model, init_sync=False)
-    elif mode == "rank0":  # only rank 0 reads; DDP broadcasts its weights to the others
-        if rank == 0:
-            model = build(spec, 0, checkpoint.model_state(checkpoint.read(path), str(path)), str(path))
-        else:
-            with torch.device("meta"):
-                model = synthetic_mlp(width=width, depth=depth)
-            model = model.to_empty(device="cpu")
-        model = DDP(model)
+    elif mode == "rank0":  # --load-mode rank0: rank 0 reads, tensors are broadcast into place
+        state = checkpoint.broadcast(checkpoint.read(path) if rank == 0 else None, torch.device("cpu"))
+        model = build(spec, 0, checkpoint.model_state(state, str(path)), str(path))
+        model = DDP(model, init_sync=False)
     elif mode == "dcp":  # torch.distributed.checkpoint: allocate, then read into place
         with torch.device("meta"):
             model = synthetic_mlp(width=width, depth=depth)
@@ -58,7 +76,12 @@ def main() -> None:
         model = DDP(model, init_sync=False)
     dist.barrier()
     seconds = time.perf_counter() - start
-    print(f"rank {rank} seconds {seconds:.3f} peak_gib {status_gib('VmHWM'):.3f} base_gib {base:.3f}", flush=True)
+    anon_gib = anon.stop() - anon_base
+    print(
+        f"rank {rank} seconds {seconds:.3f} peak_gib {status_gib('VmHWM'):.3f} base_gib {base:.3f} "
+        f"anon_gib {anon_gib:.3f}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

@@ -158,3 +158,48 @@ def test_pickled_code_in_a_zip_checkpoint_is_refused(tmp_path):
 def test_a_file_holding_no_state_dict_is_rejected(tmp_path):
     with pytest.raises(UsageError, match="no model state dict"):
         checkpoint.model_state({"step": 3}, "x.pt")
+
+
+def awkward_state() -> dict:
+    """Everything a loaded checkpoint may hold: an OrderedDict state dict with _metadata, odd
+    dtypes, 0-dim, empty and non-contiguous tensors, RNG bytes, nested lists and tuples."""
+    model = tutorial_model().state_dict()
+    torch.manual_seed(1)
+    return {
+        "model": model,
+        "extra": [(torch.randn(3, 4).t(), "t"), torch.tensor(7), torch.empty(0, 5), torch.randn(4).bfloat16()],
+        "mask": torch.rand(6) > 0.5,
+        "rng": torch.get_rng_state(),
+        "step": 11,
+        "name": "run",
+    }
+
+
+def tensors_in(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else []
+    return [t for v in values for t in tensors_in(v)]
+
+
+def _broadcast_rank(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    got = checkpoint.broadcast(awkward_state() if rank == 0 else None, torch.device("cpu"))
+    torch.save(got, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_rank0_broadcast_gives_every_rank_the_same_state_tensor_by_tensor(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_broadcast_rank, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=2)
+    want, got = awkward_state(), torch.load(tmp_path / "1.pt", weights_only=True)
+    assert got.keys() == want.keys() and got["step"] == 11 and got["name"] == "run"
+    assert got["model"]._metadata == want["model"]._metadata  # BatchNorm & co. check their versions
+    pairs = list(zip(tensors_in(want), tensors_in(got), strict=True))
+    assert len(pairs) == 10
+    for a, b in pairs:
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert got["extra"][0][1] == "t" and isinstance(got["extra"][0], tuple)

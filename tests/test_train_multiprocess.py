@@ -97,6 +97,27 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(work, world, load_mode)
     assert_bitwise_equal(final_params(work / "whole"), final_params(work / "split"))
 
 
+def test_rank0_load_mode_resumes_bitwise_without_a_shared_filesystem(work):
+    """Each rank has a run dir of its own, as nodes with local disks: only rank 0 holds checkpoints."""
+    args = ["--log-every", "1000", "--epochs", "3", "--save-every", "0"]
+
+    def ranks(prefix: str, max_steps: int, load_mode: str = "rank0") -> tuple[list[int], list[str]]:
+        port, flags = free_port(), [*args, "--max-steps", str(max_steps), "--load-mode", load_mode]
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs = [spawn(["train", *flags], work, RANK=str(r), DDPJOB_RUN_DIR=f"{prefix}{r}", **env) for r in (0, 1)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        return [p.returncode for p in procs], outs
+
+    assert ranks("whole", 25)[0] == [0, 0]
+    assert ranks("split", 9)[0] == [0, 0]
+    assert not list((work / "split1").glob("checkpoints/step-*"))
+    codes, outs = ranks("split", 25, load_mode="mmap")  # rank 1 sees no checkpoint: refused
+    assert codes == [2, 2] and "ranks would start from different checkpoints" in outs[0], outs[0][-2000:]
+    codes, outs = ranks("split", 25)
+    assert codes == [0, 0] and "DDP start-up broadcast skipped" in outs[0], outs[0][-2000:]
+    assert_bitwise_equal(final_params(work / "whole0"), final_params(work / "split0"))
+
+
 @pytest.mark.parametrize("strategy", ["dp", "none"])
 def test_single_process_strategies_complete(work, strategy):
     out = ok(ddpjob(["train", *FAST, "--strategy", strategy], work))

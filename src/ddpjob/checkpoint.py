@@ -18,7 +18,7 @@ import sys
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -288,3 +288,57 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: st
     on_meta = any(t.is_meta for t in model.state_dict().values())
     model.load_state_dict(state, assign=on_meta)
     return model
+
+
+class _Slot(NamedTuple):
+    """Where a tensor sat in a broadcast state: its shape, dtype and device type."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device_type: str
+
+
+def _replace_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every tensor (or _Slot) leaf of its dicts, lists and tuples mapped by ``fn``."""
+    if isinstance(obj, torch.Tensor | _Slot):
+        return fn(obj)
+    if isinstance(obj, dict):  # an OrderedDict keeps its type and attributes (state dict _metadata)
+        out = type(obj)((k, _replace_tensors(v, fn)) for k, v in obj.items())
+        if hasattr(obj, "__dict__"):
+            out.__dict__.update(obj.__dict__)
+        return out
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_replace_tensors(v, fn) for v in obj)
+    return obj
+
+
+def broadcast(state: Any, device: torch.device) -> Any:
+    """Rank 0's loaded state on every rank (``--load-mode rank0``: no shared filesystem).
+
+    The structure and small values travel pickled; each tensor's bytes go by ``dist.broadcast``
+    straight from rank 0's memory-mapped file into a tensor allocated once on the receiver, so no
+    rank holds more than one copy. ``device`` is where this rank's CUDA tensors belong.
+    """
+    import torch.distributed as dist
+
+    tensors: list[torch.Tensor] = []
+
+    def to_slot(t: torch.Tensor) -> _Slot:
+        tensors.append(t)
+        return _Slot(tuple(t.shape), t.dtype, t.device.type)
+
+    box = [_replace_tensors(state, to_slot) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    wire = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    received = iter(tensors)
+
+    def fill(slot: _Slot) -> torch.Tensor:
+        if dist.get_rank() == 0:
+            tensor = next(received)
+            dist.broadcast(tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(wire), src=0)
+            return tensor
+        tensor = torch.empty(slot.shape, dtype=slot.dtype, device=wire)
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=0)
+        return tensor.to(device if slot.device_type == "cuda" else "cpu")
+
+    return _replace_tensors(box[0], fill)

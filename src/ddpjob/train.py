@@ -147,15 +147,17 @@ def load_source(cfg: Config, env: DistEnv, device: torch.device) -> Loaded | Non
     return Loaded(checkpoint.read(path, device, verified=verified), path, resume)
 
 
-def share_source(cfg: Config, env: DistEnv, loaded: Loaded | None) -> Loaded | None:
+def share_source(cfg: Config, env: DistEnv, device: torch.device, loaded: Loaded | None) -> Loaded | None:
     """After init: make sure every rank starts from the same checkpoint, and say whether the
     weights are provably identical (so DDP can skip its broadcast)."""
     if not (dist.is_initialized() and env.is_distributed):
         return loaded
     if cfg.load_mode == "rank0":
-        box = [(loaded.state, loaded.path, loaded.resume) if loaded else None]
+        box = [(loaded.path, loaded.resume) if loaded else None]
         dist.broadcast_object_list(box, src=0)
-        return Loaded(*box[0], identical=True) if box[0] else None
+        if box[0] is None:
+            return None
+        return Loaded(checkpoint.broadcast(loaded.state if loaded else None, device), *box[0], identical=True)
     seen: list[Any] = [None] * env.world_size
     dist.all_gather_object(seen, checkpoint.identity(loaded.path) if loaded else None)
     if len(set(seen)) > 1:
@@ -357,7 +359,7 @@ def run(cfg: Config, env: DistEnv) -> int:
     if cfg.strategy == "ddp":
         init_process_group(cfg, env, device)
     try:
-        return train(cfg, env, device, train_set, val_set, share_source(cfg, env, loaded))
+        return train(cfg, env, device, train_set, val_set, share_source(cfg, env, device, loaded))
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
             raise PeerLost(
