@@ -32,6 +32,16 @@ def test_dcp_resume_is_bitwise_equal_to_an_uninterrupted_run(work):
     assert_bitwise_equal(whole, split)
 
 
+def test_dcp_folder_of_another_model_is_one_line_and_exit_2_on_every_rank(work):
+    ok(torchrun([*DCP, "--max-steps", "5"], work))
+    proc = torchrun([*DCP, "--max-steps", "10", "--model", "ddpjob.plugins:digits_mlp(hidden=64)"], work)
+    assert proc.returncode != 0 and "failed (exitcode: 2)" in proc.stderr, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[node ")]
+    errors = [ln for ln in lines if "ddpjob: error" in ln]
+    assert len(errors) == 2 and all("does not fit the model" in ln for ln in errors), errors
+    assert not any("Traceback" in ln for ln in lines)
+
+
 def test_incomplete_dcp_folder_is_skipped(work):
     ok(torchrun([*DCP, "--max-steps", "10", "--save-every", "5"], work))
     newest = work / "runs/ddpjob/checkpoints/step-10"

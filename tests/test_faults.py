@@ -175,29 +175,16 @@ def test_truncated_newest_checkpoint_is_skipped_on_resume(work):
     assert starts[-1]["resumed_from"].endswith("step-20.pt") and starts[-1]["step"] == 20
 
 
-def in_tmpfs(work: Path, size: str, options: str, args: list[str]) -> subprocess.CompletedProcess:
-    """Run ddpjob train with its checkpoint dir on a tiny tmpfs in a private mount namespace."""
+def in_tmpfs(work: Path, size: str, options: str, args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    """Run ddpjob train (under plain torchrun if nproc > 1: launch's preflight would refuse the
+    tiny disk) with its checkpoint dir on a tiny tmpfs in a private mount namespace; what the
+    tmpfs held at exit is copied to WORK/ck-after."""
     (work / "ck").mkdir()
-    script = f'mount -t tmpfs -o size={size},{options} tmpfs "$1" && shift && exec "$@"'
+    script = f'mount -t tmpfs -o size={size},{options} tmpfs ck && "$@"; rc=$?; cp -a ck ck-after; exit $rc'
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    train = ["-m", "ddpjob", "train", "--checkpoint-dir", "ck", *args]
     return subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            script,
-            "_",
-            str(work / "ck"),
-            PY,
-            "-m",
-            "ddpjob",
-            "train",
-            "--checkpoint-dir",
-            str(work / "ck"),
-            *args,
-        ],
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "_", PY, *torchrun, *train],
         cwd=work,
         env=clean_env(),
         capture_output=True,
@@ -207,11 +194,18 @@ def in_tmpfs(work: Path, size: str, options: str, args: list[str]) -> subprocess
 
 
 @root_only
-def test_disk_full_during_save_fails_fast_and_keeps_the_previous_checkpoint(work):
-    proc = in_tmpfs(work, "700k", "rw", ["--epochs", "2", "--save-every", "5", "--keep", "5", "--log-every", "1000"])
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    (line,) = [ln for ln in proc.stderr.splitlines() if "ddpjob: error" in ln]
-    assert "cannot write checkpoint" in line and "No space left on device" in line
+@pytest.mark.parametrize(("fmt", "nproc", "size"), [("file", 1, "700k"), ("dcp", 2, "1m")])
+def test_disk_full_during_save_fails_fast_and_keeps_the_previous_checkpoint(work, fmt, nproc, size):
+    args = ["--epochs", "2", "--save-every", "5", "--keep", "50", "--log-every", "1000", "--checkpoint-format", fmt]
+    proc = in_tmpfs(work, size, "rw", args, nproc)
+    assert proc.returncode == (3 if nproc == 1 else 1), proc.stderr[-2000:]  # torchrun: 1 when a worker fails
+    worker_lines = [ln for ln in proc.stderr.splitlines() if nproc == 1 or ln.startswith("[node ")]
+    lines = [ln for ln in worker_lines if "ddpjob: error" in ln]
+    assert len(lines) == nproc and not any("Traceback" in ln for ln in worker_lines), proc.stderr[-3000:]
+    assert all("cannot write checkpoint" in ln and "No space left on device" in ln for ln in lines), lines
+    assert nproc == 1 or "failed (exitcode: 3)" in proc.stderr
+    saved = checkpoint.list_steps(work / "ck-after")
+    assert saved and checkpoint.latest_valid(work / "ck-after") == saved[0][1]  # the newest one is whole
 
 
 @root_only

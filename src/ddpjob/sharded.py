@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -41,6 +42,16 @@ def _blob(extra: dict[str, Any]) -> io.BytesIO:
     torch.save(extra, buffer)
     buffer.seek(0)
     return buffer
+
+
+def _reason(exc: BaseException) -> str:
+    """The root cause in one line. Distributed DCP wraps every rank's error in a
+    CheckpointException (a BaseException); an OSError (disk full) explains the others."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        causes = [cause for cause, _ in exc.failures.values()]
+        exc = next((c for c in causes if isinstance(c, OSError)), causes[0])
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _finish(tmp: Path, final: Path) -> None:
@@ -73,9 +84,9 @@ def save(directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
             dist.barrier()
         if not _distributed() or dist.get_rank() == 0:
             _finish(tmp, final)
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, CheckpointException) as exc:
         raise StorageError(
-            f"cannot write checkpoint {final}: {str(exc).splitlines()[0]}; free space or fix permissions of {directory}"
+            f"cannot write checkpoint {final}: {_reason(exc)}; free space or fix permissions of {directory}"
         ) from None
     return final
 
@@ -121,10 +132,8 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
         template.update(optimizer=optim_state, extra=io.BytesIO())
     try:
         dcp.load(template, checkpoint_id=str(folder), no_dist=not _distributed())
-    except Exception as exc:  # a key or shape the model does not have, or unreadable files
-        raise UsageError(
-            f"{folder} does not fit the model or is unreadable: {str(exc).splitlines()[0][:300]}"
-        ) from None
+    except (Exception, CheckpointException) as exc:  # a key or shape the model lacks, unreadable files
+        raise UsageError(f"{folder} does not fit the model or is unreadable: {_reason(exc)[:300]}") from None
     if optimizer:
         set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"])
         template["extra"].seek(0)
