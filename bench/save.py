@@ -1,7 +1,8 @@
 """Checkpoint saves: how long the training loop is blocked, asynchronous vs synchronous.
 
 One process, a synthetic MLP of about 1 GiB fp32 with AdamW state (so each checkpoint is about
-3 GiB), ddpjob's own Checkpointer. Median of --repeats saves each.
+3 GiB), ddpjob's own Checkpointer, both formats (one .pt file; a DCP folder). Median of
+--repeats saves each.
     python bench/save.py [--repeats 3] [--width 8192] [--depth 5]
 """
 
@@ -31,12 +32,14 @@ def main() -> None:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # creates the moment buffers
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     env = DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500, "single")
     rows, blocked = [], {}
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
-        for mode in ("sync", "async"):
-            cfg = Config(checkpoint_dir=tmp, keep=1, save_mode=mode)
-            ckpt = Checkpointer(cfg, env, model=model, optimizer=optimizer, progress=Progress())
+    for fmt, mode in [("file", "sync"), ("file", "async"), ("dcp", "sync"), ("dcp", "async")]:
+        with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+            cfg = Config(checkpoint_dir=tmp, keep=1, save_mode=mode, checkpoint_format=fmt)
+            stateful = dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=Progress())
+            ckpt = Checkpointer(cfg, env, **stateful)
             block, total = [], []
             for step in range(1, a.repeats + 1):
                 start = time.perf_counter()
@@ -45,16 +48,19 @@ def main() -> None:
                 ckpt.wait()  # until the file is on disk
                 total.append(time.perf_counter() - start)
             ckpt.close()
-            blocked[mode] = median(block)
-            file_size = max(Path(tmp).glob("step-*.pt")).stat().st_size
-            rows.append([mode, median(block), median(total), ", ".join(f"{b:.2f}" for b in block)])
+            blocked[fmt, mode] = median(block)
+            if fmt == "file":
+                file_size = max(Path(tmp).glob("step-*.pt")).stat().st_size
+            rows.append([f"{fmt} {mode}", median(block), median(total), ", ".join(f"{b:.2f}" for b in block)])
     table(
         f"save: model {size / 2**30:.2f} GiB fp32 + AdamW, checkpoint {file_size / 2**30:.2f} GiB, "
         f"median of {a.repeats}",
         ["mode", "loop blocked (s)", "until on disk (s)", "blocked, each run"],
         rows,
     )
-    print(f"\nasync blocked / sync blocked = {blocked['async'] / blocked['sync']:.3f} (target <= 0.10)")
+    for fmt in ("file", "dcp"):
+        ratio = blocked[fmt, "async"] / blocked[fmt, "sync"]
+        print(f"{fmt}: async blocked / sync blocked = {ratio:.3f} (target <= 0.10)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from ddpjob import checkpoint, sharded
 from helpers import assert_bitwise_equal, ddpjob, final_params, ok, torchrun
@@ -71,3 +72,28 @@ def test_async_and_sync_saves_write_identical_loadable_checkpoints(work):
                 assert torch.equal(state[key], async_["optimizer"]["state"][i][key])
         assert sync["progress"] == async_["progress"] and sync["step"] == async_["step"] == step
     assert_bitwise_equal(final_params(work / "sync"), final_params(work / "async"))
+
+
+def dcp_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder (model and optimizer), by its flattened key."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if hasattr(m, "size")}
+    dcp.load(tensors, checkpoint_id=str(folder), no_dist=True)
+    return tensors
+
+
+def test_async_dcp_saves_equal_sync_ones_and_resume_bitwise(work):
+    args = [*DCP, "--max-steps", "30", "--save-every", "10", "--keep", "5"]
+    for mode in ("sync", "async"):
+        ok(torchrun([*args, "--save-mode", mode, "--run-dir", mode], work))
+    for step in (10, 20, 30):
+        sync, async_ = (work / m / f"checkpoints/step-{step}" for m in ("sync", "async"))
+        assert sharded.verify(async_) is None and not list((work / "async/checkpoints").glob(".*tmp"))
+        tensors = dcp_tensors(sync)
+        assert any(".exp_avg" in key for key in tensors) and len(tensors) > 8
+        assert_bitwise_equal(tensors, dcp_tensors(async_))
+    ok(torchrun([*DCP, "--max-steps", "15", "--save-every", "10", "--save-mode", "async", "--run-dir", "split"], work))
+    ok(torchrun([*DCP, "--max-steps", "30", "--save-mode", "async", "--run-dir", "split"], work))
+    assert_bitwise_equal(
+        dcp_tensors(work / "sync/checkpoints/step-30"), dcp_tensors(work / "split/checkpoints/step-30")
+    )

@@ -58,7 +58,7 @@ class Config:
     )
     save_mode: str = _opt(
         "sync",
-        "async: the loop waits only for a fork (and a copy of GPU tensors); a child process writes",
+        "async: the loop waits only for a copy to CPU memory (file: a fork), then the write goes on aside",
         ("sync", "async"),
     )
     on_save_error: str = _opt(
@@ -197,10 +197,8 @@ def validate(cfg: Config) -> None:
         spec = getattr(cfg, name)
         if ":" not in spec or spec.startswith(":") or spec.endswith(":"):
             raise UsageError(f"{flag(name)} {spec!r} must look like package.module:callable")
-    if cfg.checkpoint_format == "dcp" and (cfg.save_mode == "async" or cfg.load_mode == "rank0"):
-        raise UsageError(
-            "--checkpoint-format dcp writes and reads on every rank; use --save-mode sync --load-mode mmap"
-        )
+    if cfg.checkpoint_format == "dcp" and cfg.load_mode == "rank0":
+        raise UsageError("--checkpoint-format dcp is read by every rank; use --load-mode mmap")
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UsageError(f"--tensorboard {cfg.tensorboard} needs the tensorboard package; pip install tensorboard")
     if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):

@@ -6,7 +6,8 @@ without a matching ``ddpjob.sum`` is incomplete. Loading reads into the live mod
 at any world size (DDP replicas are identical, so resharding is reading the whole tensors).
 The model and optimizer are DCP tensors; everything else (progress, scheduler, RNG, config) is one
 blob loaded with ``torch.load(weights_only=True)``. DCP's own ``.metadata`` file is a pickle:
-load DCP folders only from storage you trust.
+load DCP folders only from storage you trust. ``save_async`` copies the state to CPU memory and
+writes it from a thread (``dcp.async_save``); ``Pending.wait`` seals the folder.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ddpjob.errors import StorageError, UsageError
@@ -66,29 +70,88 @@ def _finish(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+def _storage_error(final: Path, exc: BaseException) -> StorageError:
+    return StorageError(
+        f"cannot write checkpoint {final}: {_reason(exc)}; free space or fix permissions of {final.parent}"
+    )
+
+
+def _begin(directory: Path, step: int) -> tuple[Path, Path]:
+    """Collective: rank 0 clears a temp folder left by an interrupted save. (final, temp) folders."""
+    final, tmp = directory / f"step-{step}", directory / f".step-{step}.tmp"
+    if not _distributed() or dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if _distributed():
+        dist.barrier()
+    return final, tmp
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state, "extra": _blob(extra)}
+
+
 def save(directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Path:
     """Collective: every rank calls it. Returns the folder written."""
-    final, tmp = directory / f"step-{step}", directory / f".step-{step}.tmp"
-    model_state, optim_state = get_state_dict(model, optimizer)
+    final, tmp = _begin(directory, step)
     try:
-        if not _distributed() or dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if _distributed():
-            dist.barrier()
-        dcp.save(
-            {"model": model_state, "optimizer": optim_state, "extra": _blob(extra)},
-            checkpoint_id=str(tmp),
-            no_dist=not _distributed(),
-        )
+        dcp.save(_state(model, optimizer, extra), checkpoint_id=str(tmp), no_dist=not _distributed())
         if _distributed():
             dist.barrier()
         if not _distributed() or dist.get_rank() == 0:
             _finish(tmp, final)
     except (OSError, RuntimeError, CheckpointException) as exc:
-        raise StorageError(
-            f"cannot write checkpoint {final}: {_reason(exc)}; free space or fix permissions of {directory}"
-        ) from None
+        raise _storage_error(final, exc) from None
     return final
+
+
+def reusable_stager() -> DefaultStager:
+    """Copies the state to CPU memory for an async save and keeps that copy for the next save,
+    which then copies into it instead of allocating (measured: 0.83 s first, 0.2 s after, 3 GiB)."""
+    return DefaultStager(StagingOptions(False, False, False, False))
+
+
+class Pending:
+    """A save in flight (``--save-mode async``): each rank's part is written by a thread that uses
+    its own gloo group; ``wait`` then seals the folder on rank 0 and calls ``after`` there."""
+
+    def __init__(self, future: Future[Any], tmp: Path, final: Path, after: Callable[[Path], None]) -> None:
+        self.future, self.tmp, self.final, self.after = future, tmp, final, after
+
+    def wait(self) -> None:
+        try:
+            self.future.result()  # on rank 0 this returns once DCP's metadata, written last, is there
+            if not _distributed() or dist.get_rank() == 0:
+                _finish(self.tmp, self.final)
+                self.after(self.final)
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            raise _storage_error(self.final, exc) from None
+
+
+def save_async(
+    directory: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    after: Callable[[Path], None],
+    stager: DefaultStager | None = None,
+) -> Pending:
+    """Collective: copies the state to CPU memory (the only part the loop waits for) and returns."""
+    final, tmp = _begin(directory, step)
+    try:
+        future = dcp.async_save(
+            _state(model, optimizer, extra),
+            checkpoint_id=str(tmp),
+            process_group=group,
+            no_dist=not _distributed(),
+            async_stager=stager,
+        )
+    except (OSError, RuntimeError, CheckpointException) as exc:
+        raise _storage_error(final, exc) from None
+    assert isinstance(future, Future)  # no async stager given: the upload future itself
+    return Pending(future, tmp, final, after)
 
 
 def write_model(weights: dict[str, torch.Tensor], final: Path) -> None:

@@ -243,13 +243,21 @@ class Checkpointer:
 
     ``--save-mode async`` blocks the loop only for the copy of device tensors to CPU memory and
     a fork; a child process serialises and writes a copy-on-write snapshot (same atomic file and
-    manifest), one save at a time.
+    manifest), one save at a time. With DCP, each rank copies its state to CPU memory and a
+    thread writes it (``dcp.async_save``).
     """
 
     def __init__(self, cfg: Config, env: DistEnv, **stateful: Any) -> None:
         self.cfg, self.env, self.stateful = cfg, env, stateful
         self.last_saved = -1
-        self.pending: checkpoint.BackgroundSave | None = None
+        self.pending: checkpoint.BackgroundSave | sharded.Pending | None = None
+        # Async DCP: writes collect on a gloo group of their own (not the loop's), and the CPU copy
+        # of the state is kept between saves, so later saves copy into it without allocating.
+        self.group, self.stager = None, None
+        if cfg.checkpoint_format == "dcp" and cfg.save_mode == "async":
+            self.stager = sharded.reusable_stager()
+            if dist.is_initialized():
+                self.group = dist.new_group(backend="gloo")
 
     def save(self, step: int) -> None:
         rng_states: list[Any] = [rng.get_state()]
@@ -286,16 +294,20 @@ class Checkpointer:
         self.last_saved = step
 
     def _save_sharded(self, step: int, about: dict[str, Any]) -> None:
-        """Every rank writes its part of a DCP folder."""
+        """Every rank writes its part of a DCP folder (async: from a thread, one save at a time)."""
         extra = {name: self.stateful[name].state_dict() for name in ("scheduler", "progress")} | about
+        model, optimizer, directory = self.stateful["model"], self.stateful["optimizer"], self.cfg.checkpoint_path
         error = ""
         try:
-            path = sharded.save(
-                self.cfg.checkpoint_path, step, self.stateful["model"], self.stateful["optimizer"], extra
-            )
-            if self.env.is_main:
-                checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
-                print(f"[ddpjob] saved {path}/", flush=True)
+            self.wait()
+            if self.cfg.save_mode == "async":
+                self.pending = sharded.save_async(
+                    directory, step, model, optimizer, extra, self.group, self._done, self.stager
+                )
+            else:
+                path = sharded.save(directory, step, model, optimizer, extra)
+                if self.env.is_main:
+                    self._done(path)
         except StorageError as exc:
             error = str(exc)
         self._agree(error)
@@ -308,9 +320,11 @@ class Checkpointer:
             self.wait()
         except StorageError as exc:
             error = str(exc)
+        if self.stager:
+            self.stager.close()
         self._agree(error)
 
-    def _done(self, path: Path) -> None:
+    def _done(self, path: Path) -> None:  # rank 0, once the checkpoint is complete
         checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
         print(f"[ddpjob] saved {path}", flush=True)
 
