@@ -249,6 +249,22 @@ def test_missing_node_fails_within_the_rendezvous_timeout_saying_how_many_joined
 
 
 @pytest.mark.parametrize(
+    ("message", "peer"),
+    [
+        ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms", True),
+        ("Application timeout caused pair closure", True),  # a cut link, seen by gloo
+        ("[../pair.cc:537] Read error [127.0.0.1]:1975: Connection reset by peer. This is typically", True),
+        ("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)", False),  # a bug, not a peer
+    ],
+)
+def test_collective_failures_are_told_from_other_errors(message, peer):
+    from ddpjob.train import backend_message, is_peer_failure
+
+    assert is_peer_failure(RuntimeError(message)) == peer
+    assert not backend_message(RuntimeError(message)).startswith("[")
+
+
+@pytest.mark.parametrize(
     ("fault", "within", "words"),
     [
         (signal.SIGKILL, 10, "Connection reset by peer"),  # the peer's sockets close: noticed at once

@@ -77,28 +77,32 @@ class RendezvousWatch:
         if self._stop.wait(self.first_read_s):
             return
         while not self._stop.is_set():
-            try:
-                self.last, self.error = self._read(), ""
-            except Exception as exc:  # unreachable store or a foreign value: say so on failure
-                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._poll(timeout_s=5)
             if self.last and self.last.complete and len(self.last.hosts) >= self.nnodes:
                 return
             self._stop.wait(self.period_s)
 
-    def _read(self) -> Joined:
+    def _poll(self, timeout_s: float) -> None:
+        try:
+            self.last, self.error = self._read(timeout_s), ""
+        except Exception as exc:  # unreachable store or a foreign value: say so on failure
+            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def _read(self, timeout_s: float) -> Joined:
         from torch.distributed import TCPStore
 
         host, port = self.endpoint.rsplit(":", 1)
-        store = TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout)
         key = "torch.rendezvous." + self.run_id
         return decode_state(store.get(key)) if store.check([key]) else Joined((), False)
 
     def summary(self) -> str:
         """One clause for the failure message: how many nodes joined, or why that is unknown."""
+        if self.last is None and not self.error:  # failed before the first read: read once now
+            self._poll(timeout_s=2)
         if self.last is not None:
             hosts = self.last.hosts
             names = ", ".join(hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")
             return f"{len(hosts)} of {self.nnodes} nodes joined" + (f" ({names})" if hosts else "")
-        if self.error:
-            return f"no count of joined nodes: reading the state from {self.endpoint} failed ({self.error})"
-        return "no count of joined nodes: the rendezvous ended before the first read"
+        return f"no count of joined nodes: reading the state from {self.endpoint} failed ({self.error})"

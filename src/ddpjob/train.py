@@ -352,10 +352,13 @@ class Checkpointer:
             )
 
 
+_PEER_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|pair closure|timed out", re.IGNORECASE)
+
+
 def is_peer_failure(exc: RuntimeError) -> bool:
-    """Gloo and NCCL report a dead or hung peer as a RuntimeError (or DistError) from a collective."""
-    text = str(exc)
-    return isinstance(exc, dist.DistError) or any(s in text for s in ("gloo/", "NCCL", "Connection reset"))
+    """Gloo and NCCL report a dead, hung or cut-off peer as a RuntimeError (or DistError) from a
+    collective: "[.../gloo/...] Timed out waiting ...", "Application timeout caused pair closure"."""
+    return isinstance(exc, dist.DistError) or bool(_PEER_FAILURE.search(str(exc)))
 
 
 def backend_message(exc: RuntimeError) -> str:
