@@ -4,6 +4,7 @@ mid-save, storage faults, missing nodes, dead peers. Nothing is lost and nothing
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -267,8 +268,8 @@ def test_collective_failures_are_told_from_other_errors(message, peer):
 @pytest.mark.parametrize(
     ("fault", "within", "words"),
     [
-        (signal.SIGKILL, 10, "Connection reset by peer"),  # the peer's sockets close: noticed at once
-        (signal.SIGSTOP, 10 + 10, "Timed out waiting 10000ms"),  # a hung peer: cut off by the timeout
+        (signal.SIGKILL, 10, r"Connection (reset|closed) by peer"),  # its sockets close: noticed at once
+        (signal.SIGSTOP, 10 + 10, r"Timed out waiting 10000ms|timeout caused pair closure"),  # cut off by the timeout
     ],
 )
 def test_dead_or_hung_peer_fails_the_survivor_in_one_line_instead_of_hanging(work, fault, within, words):
@@ -283,7 +284,7 @@ def test_dead_or_hung_peer_fails_the_survivor_in_one_line_instead_of_hanging(wor
         procs[1].communicate()
     assert procs[0].returncode == 1, out[-2000:]
     assert time.monotonic() - start < within
-    assert "rank 0: a collective failed (" in out and words in out and "Traceback" not in out, out[-2000:]
+    assert "rank 0: a collective failed (" in out and re.search(words, out) and "Traceback" not in out, out[-2000:]
 
 
 @pytest.fixture
