@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import checkpoint
+from ddpjob import checkpoint, sharded
 from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, plain_env_ranks, spawn
 
 pytestmark = pytest.mark.slow
@@ -95,6 +95,27 @@ def test_stop_signal_checkpoints_exits_75_and_resumes_bitwise(work, uninterrupte
     starts = [r for r in records(run_dir) if r["event"] == "start"]
     assert starts[-1]["step"] == stop["step"]  # the exact next batch
     assert_bitwise_equal(uninterrupted, final_params(run_dir))
+
+
+def test_stop_signal_during_async_dcp_saves_seals_them_and_resumes_bitwise(work, uninterrupted):
+    run_dir, args = (
+        work / "runs/ddpjob",
+        [*JOB, "--checkpoint-format", "dcp", "--save-mode", "async", "--save-every", "7"],
+    )
+    agent = launch(work, "--nproc-per-node", "2", *args)
+    wait_until(lambda: trained_steps(run_dir) >= 30, 120, "training to start")
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 75, out[-3000:]
+    (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
+    newest = checkpoint.list_steps(run_dir / "checkpoints")[0]
+    assert newest[0] == stop["step"] and sharded.verify(newest[1]) is None
+    assert not list((run_dir / "checkpoints").glob(".*tmp"))  # every save in flight was sealed
+
+    ok(ddpjob(["launch", "--nproc-per-node", "2", *args], work, timeout=300))
+    assert [r for r in records(run_dir) if r["event"] == "start"][-1]["step"] == stop["step"]
+    final = checkpoint.list_steps(run_dir / "checkpoints")[0][1]
+    assert_bitwise_equal(uninterrupted, sharded.read_model(final))
 
 
 @pytest.mark.parametrize("kill_at", sorted(random.Random().sample(range(12, 300), 3)))
