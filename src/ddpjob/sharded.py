@@ -12,6 +12,7 @@ writes it from a thread (``dcp.async_save``); ``Pending.wait`` seals the folder.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -71,9 +72,12 @@ def _finish(tmp: Path, final: Path) -> None:
 
 
 def _storage_error(final: Path, exc: BaseException) -> StorageError:
-    return StorageError(
-        f"cannot write checkpoint {final}: {_reason(exc)}; free space or fix permissions of {final.parent}"
-    )
+    reason = _reason(exc)
+    with contextlib.suppress(OSError):  # torch's zip writer may report a short write as "unexpected pos"
+        usage = shutil.disk_usage(final.parent)
+        if "No space left" not in reason and usage.free < min(64 << 20, usage.total // 100):
+            reason = f"No space left on device ({usage.free >> 10} KiB free; {reason})"
+    return StorageError(f"cannot write checkpoint {final}: {reason}; free space or fix permissions of {final.parent}")
 
 
 def _begin(directory: Path, step: int) -> tuple[Path, Path]:
