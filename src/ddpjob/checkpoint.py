@@ -298,17 +298,18 @@ class _Slot(NamedTuple):
     device_type: str
 
 
-def _replace_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """``obj`` with every tensor (or _Slot) leaf of its dicts, lists and tuples mapped by ``fn``."""
+def map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every tensor (or _Slot) leaf of its dicts, lists and tuples mapped by ``fn``;
+    dicts keep their type and attributes, named tuples are left as they are."""
     if isinstance(obj, torch.Tensor | _Slot):
         return fn(obj)
     if isinstance(obj, dict):  # an OrderedDict keeps its type and attributes (state dict _metadata)
-        out = type(obj)((k, _replace_tensors(v, fn)) for k, v in obj.items())
+        out = type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
         if hasattr(obj, "__dict__"):
             out.__dict__.update(obj.__dict__)
         return out
     if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
-        return type(obj)(_replace_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
 
 
@@ -327,7 +328,7 @@ def broadcast(state: Any, device: torch.device) -> Any:
         tensors.append(t)
         return _Slot(tuple(t.shape), t.dtype, t.device.type)
 
-    box = [_replace_tensors(state, to_slot) if dist.get_rank() == 0 else None]
+    box = [map_tensors(state, to_slot) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     wire = device if dist.get_backend() == "nccl" else torch.device("cpu")
     received = iter(tensors)
@@ -341,4 +342,4 @@ def broadcast(state: Any, device: torch.device) -> Any:
         dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=0)
         return tensor.to(device if slot.device_type == "cuda" else "cpu")
 
-    return _replace_tensors(box[0], fill)
+    return map_tensors(box[0], fill)

@@ -227,17 +227,6 @@ def evaluate(
     return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
 
 
-def on_cpu(obj: Any) -> Any:
-    """A (nested) state dict with every device tensor copied to CPU memory (CPU tensors as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
-    if isinstance(obj, dict):
-        return {k: on_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(on_cpu(v) for v in obj)
-    return obj
-
-
 class Checkpointer:
     """Saves the Stateful objects of the run. Rank 0 writes; every rank learns whether it worked.
 
@@ -284,7 +273,9 @@ class Checkpointer:
                 state.update(about)
                 path = checkpoint.path_for(self.cfg.checkpoint_path, step)
                 if self.cfg.save_mode == "async":
-                    self.pending = checkpoint.BackgroundSave(on_cpu(state), path, lambda: self._done(path))
+                    self.pending = checkpoint.BackgroundSave(
+                        checkpoint.map_tensors(state, lambda t: t.detach().to("cpu")), path, lambda: self._done(path)
+                    )
                 else:
                     checkpoint.save(state, path)
                     self._done(path)
