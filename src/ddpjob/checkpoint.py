@@ -23,7 +23,7 @@ from typing import IO, Any, NamedTuple
 import torch
 from torch import nn
 
-from ddpjob.errors import StorageError, UsageError
+from ddpjob.errors import StorageError, UsageError, first_line
 
 FORMAT = "ddpjob-checkpoint/1"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP, torch.compile
@@ -114,7 +114,7 @@ def save(obj: Any, path: Path) -> None:
         for leftover in (tmp, manifest_path(tmp)):
             leftover.unlink(missing_ok=True)
         cause = (writer.error if writer and writer.error else None) or exc
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).splitlines()[0]
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else first_line(cause)
         raise StorageError(
             f"cannot write checkpoint {path}: {reason}; free space or fix permissions of {path.parent}"
         ) from None
@@ -246,7 +246,7 @@ def read(path: Path | str, map_location: str | torch.device = "cpu", mmap: bool 
     except Exception as exc:  # any other failure to parse: truncated, zip damage, not a pickle
         if mmap and "mmap" in str(exc):  # legacy (non-zip) format files cannot be memory-mapped
             return read(path, map_location, mmap=False)
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)[:200]
         raise UsageError(
             f"{path} is not a readable PyTorch checkpoint (truncated or another format): {first}"
         ) from None

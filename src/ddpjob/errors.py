@@ -26,6 +26,12 @@ class PeerLost(Exception):
     """
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first message line, or its type name when it has no message."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, UsageError):
         return EXIT_BAD_INPUT

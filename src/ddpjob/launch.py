@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ddpjob import config, doctor
 from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
-from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError
+from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError, first_line
 from ddpjob.plugins import load_callable
 from ddpjob.rendezvous_watch import RendezvousWatch
 
@@ -221,7 +221,7 @@ def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float) -> tuple[int, 
     except SignalException as exc:
         return EXIT_PREEMPTED, f"got {exc.sigval.name}; workers checkpointed and stopped (exit {EXIT_PREEMPTED})"
     except RendezvousError as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = first_line(exc)
         return EXIT_FAILED, (
             f"rendezvous at {plan.endpoint} for {plan.nnodes} nodes failed ({detail}): {watch.summary()} "
             f"within the {rdzv_timeout} s rendezvous timeout; check that every node started and can reach "

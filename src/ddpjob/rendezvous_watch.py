@@ -17,6 +17,8 @@ import pickle
 import threading
 from dataclasses import dataclass
 
+from ddpjob.errors import first_line
+
 _STATE_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 _NULL_SENTINEL = b"Y2FuaW1hZGFt"  # what the c10d backend stores before the first node writes
 
@@ -86,7 +88,7 @@ class RendezvousWatch:
         try:
             self.last, self.error = self._read(timeout_s), ""
         except Exception as exc:  # unreachable store or a foreign value: say so on failure
-            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.error = f"{type(exc).__name__}: {first_line(exc)}"
 
     def _read(self, timeout_s: float) -> Joined:
         from torch.distributed import TCPStore

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ddpjob.errors import StorageError, UsageError
+from ddpjob.errors import StorageError, UsageError, first_line
 
 MARKER = "ddpjob.sum"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -55,8 +55,7 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException) and exc.failures:
         causes = [cause for cause, _ in exc.failures.values()]
         exc = next((c for c in causes if isinstance(c, OSError)), causes[0])
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    return first_line(exc)
 
 
 def _finish(tmp: Path, final: Path) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from ddpjob import checkpoint, rng, sharded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
-from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, StorageError, UsageError, exit_code_for
+from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, StorageError, UsageError, exit_code_for, first_line
 from ddpjob.logs import start_heartbeat
 from ddpjob.metrics import Metrics
 from ddpjob.plugins import build_data, build_model, load_callable
@@ -354,8 +354,7 @@ def is_peer_failure(exc: RuntimeError) -> bool:
 
 def backend_message(exc: RuntimeError) -> str:
     """The backend's first sentence, without its source location: 'Timed out waiting 10000ms ...'."""
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0].rstrip(".")
+    return re.sub(r"^\[[^\]]*\]\s*", "", first_line(exc)).split(". This is typically")[0].rstrip(".")
 
 
 def run(cfg: Config, env: DistEnv) -> int:
