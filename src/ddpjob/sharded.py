@@ -72,10 +72,11 @@ def _finish(tmp: Path, final: Path) -> None:
 
 def _storage_error(final: Path, exc: BaseException) -> StorageError:
     reason = _reason(exc)
-    with contextlib.suppress(OSError):  # torch's zip writer may report a short write as "unexpected pos"
-        usage = shutil.disk_usage(final.parent)
-        if "No space left" not in reason and usage.free < min(64 << 20, usage.total // 100):
-            reason = f"No space left on device ({usage.free >> 10} KiB free; {reason})"
+    if "No space left" not in reason:  # torch's zip writer may report a short write as "unexpected pos"
+        with contextlib.suppress(OSError):
+            usage = shutil.disk_usage(final.parent)
+            if usage.free < min(64 << 20, usage.total // 100):
+                reason = f"No space left on device ({usage.free >> 10} KiB free; {reason})"
     return StorageError(f"cannot write checkpoint {final}: {reason}; free space or fix permissions of {final.parent}")
 
 
@@ -153,7 +154,7 @@ def save_async(
         )
     except (OSError, RuntimeError, CheckpointException) as exc:
         raise _storage_error(final, exc) from None
-    assert isinstance(future, Future)  # no async stager given: the upload future itself
+    assert isinstance(future, Future)  # a stager that copies before returning: the upload future itself
     return Pending(future, tmp, final, after)
 
 
