@@ -13,14 +13,11 @@ import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ddpjob.config import Config
-
-if TYPE_CHECKING:
-    from ddpjob.launch import Plan
+from ddpjob.plan import Plan
 
 MIN_SHM = 256 << 20  # DataLoader workers and NCCL's shared-memory transport need more than Docker's 64 MB
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")

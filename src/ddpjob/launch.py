@@ -16,6 +16,7 @@ Detection, first match wins; explicit flags / DDPJOB_* settings override any det
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
@@ -25,26 +26,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from ddpjob import config, doctor
 from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
 from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError, first_line
+from ddpjob.plan import Plan
 from ddpjob.plugins import load_callable
 from ddpjob.rendezvous_watch import RendezvousWatch
 
 HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default misses Slurm's SIGUSR1
-
-
-@dataclass
-class Plan:
-    scheduler: str
-    why: str
-    nnodes: int
-    node_rank: int | None  # None: assigned at rendezvous (replicated compose service)
-    endpoint: str  # host:port of the rendezvous, "" for a standalone single node
-    rdzv_id: str
-    nproc_per_node: int
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -54,16 +44,78 @@ def _int(env: Mapping[str, str], name: str) -> int:
         raise UsageError(f"{name}={env[name]!r} is not an integer; check the scheduler environment") from None
 
 
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 12768  # 20000..32767: below Linux's ephemeral ports (32768+)
+
+
+def _scontrol(*args: str) -> str:
+    """scontrol's output, or "" where there is no scontrol or it fails (then callers parse themselves)."""
+    if not shutil.which("scontrol"):
+        return ""
+    try:
+        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """First host of a Slurm host list: `scontrol show hostnames` where there is one, else our parser."""
+    hosts = _scontrol("show", "hostnames", nodelist).split()
+    return hosts[0] if hosts else first_host(nodelist)
+
+
 def slurm_node_addr(name: str) -> str:
     """The address Slurm knows for node `name` (NodeAddr), else the name itself."""
-    if shutil.which("scontrol"):
-        out = subprocess.run(
-            ["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=10
-        ).stdout
-        for word in out.split():
-            if word.startswith("NodeAddr="):
-                return word.split("=", 1)[1]
+    for word in _scontrol("show", "node", name, "-o").split():
+        if word.startswith("NodeAddr="):
+            return word.split("=", 1)[1]
     return name
+
+
+def slurm_rdzv_port(env: Mapping[str, str], job: int) -> int:
+    """MASTER_PORT when set, else one derived from the job id (jobs SLURM_PORT_SPAN apart share it)."""
+    if env.get("MASTER_PORT"):
+        port = _int(env, "MASTER_PORT")
+        if not 0 < port < 65536:
+            raise UsageError(f"MASTER_PORT={port} is not a TCP port; use 1..65535")
+        return port
+    return SLURM_PORT_BASE + job % SLURM_PORT_SPAN
+
+
+def port_in_use(port: int) -> bool:
+    """True when something on this host listens on (or holds) TCP `port` on any address.
+
+    SO_REUSEADDR, as torch's store sets it, so that a previous attempt's TIME_WAIT does not count."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((addr, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def check_slurm_port(plan: Plan, env: Mapping[str, str]) -> None:
+    """On the head node, before torchrun binds it: a port that is taken is one clear line, not a hang."""
+    port = int(plan.endpoint.rpartition(":")[2])
+    if port_in_use(port):
+        job = env.get("SLURM_JOB_ID", "?")
+        origin = (
+            "set by MASTER_PORT"
+            if env.get("MASTER_PORT")
+            else f"{SLURM_PORT_BASE} + job id mod {SLURM_PORT_SPAN}, shared by jobs {SLURM_PORT_SPAN} ids apart"
+        )
+        raise UsageError(
+            f"rendezvous port {port} of Slurm job {job} ({origin}) is already in use on head node "
+            f"{socket.gethostname()}, by another job or service; export MASTER_PORT=<a free port> "
+            "(or pass --rdzv-endpoint HOST:PORT) and submit again"
+        )
 
 
 def with_port(host: str, port: int) -> str:
@@ -89,13 +141,13 @@ def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
         )
     if "SLURM_JOB_ID" in env and "SLURM_NNODES" in env and "SLURM_NODEID" in env:
         job = _int(env, "SLURM_JOB_ID")
-        head = first_host(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURMD_NODENAME", "localhost"))
+        head = slurm_first_host(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURMD_NODENAME", "localhost"))
         return Plan(
             "slurm",
             f"SLURM_JOB_ID={job} under srun; head node {head}",
             _int(env, "SLURM_NNODES"),
             _int(env, "SLURM_NODEID"),
-            f"{slurm_node_addr(head)}:{20000 + job % 10000}",
+            f"{slurm_node_addr(head)}:{slurm_rdzv_port(env, job)}",
             f"slurm-{job}",
             cuda_devices or 1,
         )
@@ -134,6 +186,8 @@ def resolve_plan(cfg: config.Config, env: Mapping[str, str], cuda_devices: int) 
         plan.node_rank = 0
     if plan.node_rank is not None and not 0 <= plan.node_rank < plan.nnodes:
         raise UsageError(f"node rank {plan.node_rank} is outside the {plan.nnodes} nodes; check --node-rank / --nnodes")
+    if plan.scheduler == "slurm" and plan.node_rank == 0 and plan.endpoint and not cfg.rdzv_endpoint:
+        check_slurm_port(plan, env)  # node 0 hosts the store: a port taken by another job fails here, clearly
     if plan.nnodes > 1 and not plan.endpoint.split(":")[0]:
         raise UsageError(
             f"{plan.nnodes} nodes need a rendezvous endpoint; set --rdzv-endpoint HOST[:PORT] (node 0's address)"
