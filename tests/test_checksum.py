@@ -7,7 +7,7 @@ import zlib
 import pytest
 
 from ddpjob import checksum
-from ddpjob.checksum import ALGORITHM, LEGACY, Checksum, Hasher, ManifestError
+from ddpjob.checksum import ALGORITHM, LEGACY, Checksum, ManifestError, Stream
 
 # XXH3_64bits with seed 0: the empty input's value from xxHash's own sanity tests, and the
 # standard check input; zlib's CRC-32 of b"123456789" is the catalogue check value 0xCBF43926.
@@ -37,21 +37,21 @@ def test_streaming_equals_one_shot_whatever_the_split(algorithm):
     data = blob(100_003)
     whole = checksum.digest(data, algorithm)
     for split in (1, 7, 4096, 65_536, 100_003):
-        hasher = Hasher(algorithm)
+        stream = Stream(algorithm)
         for start in range(0, len(data), split):
-            hasher.update(memoryview(data)[start : start + split])
-        assert hasher.value == whole, split
-        assert hasher.size == len(data)
-        assert hasher.checksum == Checksum(algorithm, whole)
+            stream.update(memoryview(data)[start : start + split])
+        assert stream.value == whole, split
+        assert stream.size == len(data)
+        assert stream.checksum == Checksum(algorithm, whole)
 
 
 def test_update_takes_bytes_bytearray_and_memoryview():
     data = blob(1000)
     values = set()
     for form in (bytes, bytearray, memoryview):
-        hasher = Hasher()
-        hasher.update(form(data))
-        values.add(hasher.value)
+        stream = Stream()
+        stream.update(form(data))
+        values.add(stream.value)
     assert values == {checksum.digest(data)}
 
 
@@ -120,7 +120,7 @@ def test_missing_file_raises_file_not_found(tmp_path):
 
 def test_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
-        Hasher("md5")
+        Stream("md5")
     with pytest.raises(ValueError, match="unknown checksum algorithm"):
         checksum.manifest_fields("0" * 16, "sha1")
 
@@ -136,6 +136,31 @@ def test_from_manifest_reads_the_new_form_written_by_manifest_fields(tmp_path):
     assert checksum.matches(path, expected)
     path.write_bytes(blob(9_999) + b"\x00")
     assert not checksum.matches(path, expected)
+
+
+def test_manifest_helpers_take_either_form(tmp_path):
+    data = blob(10_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    stream = Stream()
+    stream.update(data)
+    new = {"size": len(data), **stream.fields()}
+    assert stream.fields() == checksum.of_file(path) == {"algorithm": ALGORITHM, "digest": checksum.digest(data)}
+    old = {"size": len(data), "crc32": zlib.crc32(data)}
+    assert checksum.of_file(path, LEGACY) == {"algorithm": LEGACY, "digest": zlib.crc32(data)}
+    for manifest in (new, old, checksum.of_file(path, LEGACY)):
+        assert checksum.matches(path, manifest), manifest
+    assert checksum.value(new) == checksum.digest(data) and checksum.value(old) == zlib.crc32(data)
+    path.write_bytes(data[:-1] + b"\x00")
+    assert not checksum.matches(path, new) and not checksum.matches(path, old)
+
+
+def test_manifests_without_a_readable_checksum_never_match(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    for manifest in ({"size": 3}, {"algorithm": "md5", "digest": "0" * 16}, {"crc32": "x"}):
+        assert not checksum.matches(path, manifest)
+        assert checksum.value(manifest) is None
 
 
 def test_from_manifest_reads_old_crc32_manifests(tmp_path):

@@ -6,11 +6,12 @@ hash (the ``xxhash`` package), which runs near memory bandwidth on one core (ben
 zlib's CRC-32). Manifests written before it hold ``{"crc32": <int>}`` (zlib's CRC-32) and keep
 verifying: every function here takes the algorithm the manifest names.
 
-    hasher = Hasher()                       # while torch.save writes through a wrapper
-    hasher.update(chunk); hasher.value      # -> "9c3e..." (str); Hasher("crc32").value -> int
-    file_digest(path, "xxh3_64")            # the same value, over a memory map of the file
-    expected = from_manifest(manifest)      # Checksum(algorithm, value), or None if it has none
-    manifest.update(manifest_fields(hasher.value))
+    stream = Stream()                       # while torch.save writes through a wrapper
+    stream.update(chunk); stream.value      # -> "9c3e..." (str); Stream("crc32").value -> int
+    manifest.update(stream.fields())        # {"algorithm": "xxh3_64", "digest": "9c3e..."}
+    of_file(path)                           # the same fields, over a memory map of the file
+    matches(path, manifest)                 # True if the file has the checksum the manifest records
+    from_manifest(manifest)                 # Checksum(algorithm, value), None if it records none
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class Checksum(NamedTuple):
     value: Value
 
 
-class Hasher:
+class Stream:
     """Streaming checksum: ``update`` with bytes-like objects (bytes, memoryview, mmap slices;
-    nothing is copied), then ``value``. ``size`` counts the bytes seen."""
+    nothing is copied), then ``value`` or ``fields()``. ``size`` counts the bytes seen."""
 
     def __init__(self, algorithm: str = ALGORITHM) -> None:
         _check_algorithm(algorithm)
@@ -69,44 +70,48 @@ class Hasher:
     def checksum(self) -> Checksum:
         return Checksum(self.algorithm, self.value)
 
+    def fields(self) -> dict[str, Any]:
+        """What a manifest records: ``{"algorithm": ..., "digest": ...}``."""
+        return manifest_fields(self.value, self.algorithm)
+
 
 def digest(data: Any, algorithm: str = ALGORITHM) -> Value:
     """Checksum of one bytes-like object."""
-    hasher = Hasher(algorithm)
-    hasher.update(data)
-    return hasher.value
+    stream = Stream(algorithm)
+    stream.update(data)
+    return stream.value
 
 
 def file_digest(path: str | PathLike[str], algorithm: str = ALGORITHM) -> Value:
     """Checksum of a file, read through a memory map in CHUNK slices: no copy into Python objects,
     and the pages stay in the page cache for the load that follows. Files that cannot be mapped
     (some FUSE filesystems) are read into one reused buffer instead."""
-    hasher = Hasher(algorithm)
+    stream = Stream(algorithm)
     with open(path, "rb", buffering=0) as f:
         try:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file cannot be mapped
-            return hasher.value
+            return stream.value
         except OSError:
-            _read_into(f, hasher)
-            return hasher.value
+            _read_into(f, stream)
+            return stream.value
         with mapped:
             with contextlib.suppress(AttributeError, OSError):  # larger read-ahead when the cache is cold
                 mapped.madvise(mmap.MADV_SEQUENTIAL)
             view = memoryview(mapped)
             try:
                 for start in range(0, len(view), CHUNK):
-                    hasher.update(view[start : start + CHUNK])
+                    stream.update(view[start : start + CHUNK])
             finally:
                 view.release()  # else closing the map raises BufferError
-    return hasher.value
+    return stream.value
 
 
-def _read_into(f: Any, hasher: Hasher) -> None:
+def _read_into(f: Any, stream: Stream) -> None:
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
     while n := f.readinto(buffer):
-        hasher.update(view[:n])
+        stream.update(view[:n])
 
 
 def from_manifest(manifest: Mapping[str, Any]) -> Checksum | None:
@@ -133,8 +138,33 @@ def manifest_fields(value: Value, algorithm: str = ALGORITHM) -> dict[str, Any]:
     return {"algorithm": algorithm, "digest": _parse(algorithm, value)}
 
 
-def matches(path: str | PathLike[str], expected: Checksum) -> bool:
-    """Whether the file's checksum, by the expected one's algorithm, equals it."""
+def of_file(path: str | PathLike[str], algorithm: str = ALGORITHM) -> dict[str, Any]:
+    """The manifest fields for a file: ``{"algorithm": ..., "digest": ...}``."""
+    return manifest_fields(file_digest(path, algorithm), algorithm)
+
+
+def value(manifest: Mapping[str, Any]) -> Value | None:
+    """The checksum value a manifest records (either form), or None when it records no readable one."""
+    try:
+        found = from_manifest(manifest)
+    except ManifestError:
+        return None
+    return None if found is None else found.value
+
+
+def matches(path: str | PathLike[str], expected: Checksum | Mapping[str, Any]) -> bool:
+    """Whether the file has the expected checksum, by the algorithm that names it: a Checksum, or
+    a manifest (or a file's entry in one) in either form. False when the manifest records no
+    checksum or an unreadable one (use from_manifest for the reason); OSError if the file is
+    unreadable."""
+    if not isinstance(expected, Checksum):
+        try:
+            found = from_manifest(expected)
+        except ManifestError:
+            return False
+        if found is None:
+            return False
+        expected = found
     return file_digest(path, expected.algorithm) == expected.value
 
 
