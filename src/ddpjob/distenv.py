@@ -51,15 +51,55 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise UsageError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
 
 
+def _hostlist_items(nodelist: str) -> list[str]:
+    """Split a Slurm host list at the commas outside brackets; brackets must pair up, unnested."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            break
+        if ch == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    else:
+        items.append(nodelist[start:])
+        if depth == 0 and all(items):
+            return items
+    raise UsageError(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm host list")
+
+
+def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
+    """``01-03,7`` -> ``01 02 03 7``: the lower bound's zero padding is kept, as Slurm does."""
+    values = []
+    for piece in ranges.split(","):
+        lo, dash, hi = piece.partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
+            raise UsageError(
+                f"SLURM_JOB_NODELIST={nodelist!r}: [{ranges}] is not a list of numbers and ranges like [01-04,7]"
+            )
+        values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi if dash else lo) + 1)]
+    return values
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Every host of a Slurm host list, in the order ``scontrol show hostnames`` prints them.
+
+    Brackets may stand anywhere in a name and more than once: ``node[01-02]-ib`` -> ``node01-ib
+    node02-ib``; ``a[1-2,5],b-[01-02]-x`` -> ``a1 a2 a5 b-01-x b-02-x``; ``r[1-2]n[1-2]`` -> ``r1n1
+    r1n2 r2n1 r2n2`` (the first bracket varies slowest)."""
+    hosts: list[str] = []
+    for item in _hostlist_items(nodelist.strip()):
+        parts = re.split(r"\[([^\]]*)\]", item)  # text, ranges, text, ranges, ..., text
+        names = [parts[0]]
+        for ranges, text in zip(parts[1::2], parts[2::2], strict=True):
+            names = [name + value + text for name in names for value in _expand_ranges(ranges, nodelist)]
+        hosts += names
+    return hosts
+
+
 def first_host(nodelist: str) -> str:
-    """First host of a Slurm hostlist expression: ``gpu[03-05,9],cpu1`` -> ``gpu03``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match or not match.group(1):
-        raise UsageError(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm host list")
-    prefix, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    """First host of a Slurm host list: ``gpu[03-05,9]-ib,cpu1`` -> ``gpu03-ib``."""
+    return expand_hostlist(nodelist)[0]
 
 
 def resolve(env: Mapping[str, str], cuda_devices: int = 0) -> DistEnv:
