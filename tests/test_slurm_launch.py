@@ -1,8 +1,14 @@
 """Slurm detection in `ddpjob launch`: host lists with suffixes, `scontrol show hostnames`, and a
 rendezvous port that jobs cannot silently share."""
 
+import os
+import signal
 import socket
 import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +16,7 @@ from ddpjob import config, launch
 from ddpjob.distenv import expand_hostlist, first_host
 from ddpjob.errors import UsageError
 
+REPO = Path(__file__).resolve().parents[1]
 HEAD = {  # node 0 of a 2-node job under srun: the node that hosts the rendezvous store
     "SLURM_JOB_ID": "4242",
     "SLURM_NNODES": "2",
@@ -164,3 +171,93 @@ def test_the_previous_attempts_time_wait_is_not_a_collision():
         conn.close()  # the server side closes first: its end (local port = `port`) goes to TIME_WAIT
         client.close()
     assert not launch.port_in_use(port)
+
+
+# slurm/train.sbatch itself, with a stand-in srun (a node's launch: exits 75 on a stop signal, as
+# workers that checkpointed do) and scontrol (records its arguments), and the real `ddpjob config`.
+FAKE_SRUN = """#!/bin/bash
+env > "$LOG_DIR/srun.env"
+stop() { echo "srun got $1" >> "$LOG_DIR/srun.log"; exit "${SRUN_EXIT:-75}"; }
+trap 'stop TERM' TERM
+trap 'stop USR1' USR1
+echo "srun $*" >> "$LOG_DIR/srun.log"
+for _ in $(seq 300); do sleep 0.1; done
+"""
+
+
+def run_sbatch(tmp_path, sig, **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake_scontrol(bin_dir, 'echo "scontrol $*" >> "$LOG_DIR/scontrol.log"\n')
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "SLURM_", "MASTER_"))}
+    job_env = {
+        **base,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "LOG_DIR": str(tmp_path),
+        "SLURM_JOB_NAME": "ddpjob",
+        "SLURM_JOB_ID": "100",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "DDPJOB_VENV": str(Path(sys.executable).parent.parent),
+        "DDPJOB_RUN_DIR": str(tmp_path / "run"),
+        **env,
+    }
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "slurm/train.sbatch"), "--epochs", "1"],
+        cwd=tmp_path,
+        env=job_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    srun_log = tmp_path / "srun.log"
+    deadline = time.monotonic() + 60
+    while not (srun_log.is_file() and "srun " in srun_log.read_text()):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the batch script never started srun"
+        time.sleep(0.05)
+    time.sleep(0.2)  # the script is in its wait loop now
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    scontrol = tmp_path / "scontrol.log"
+    return proc.returncode, out, srun_log.read_text(), scontrol.read_text() if scontrol.is_file() else ""
+
+
+def test_an_array_task_requeues_itself_not_the_whole_array(tmp_path):
+    # The first task of an array to start has the array's own job id: `scontrol requeue 100` would
+    # requeue every task of array 100.
+    code, out, srun, scontrol = run_sbatch(tmp_path, signal.SIGUSR1, SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="3")
+    assert "srun got USR1" in srun
+    assert scontrol.splitlines() == ["scontrol requeue 100_3"], out
+    assert code == 75 and "requeueing job 100_3" in out
+
+
+def test_term_is_forwarded_and_ends_the_job_without_a_requeue(tmp_path):
+    code, out, srun, scontrol = run_sbatch(tmp_path, signal.SIGTERM)
+    assert "srun got TERM" in srun and "got TERM, forwarding" in out
+    assert code == 75 and scontrol == ""
+
+
+def test_requeue_on_term_for_clusters_that_never_send_usr1(tmp_path):
+    code, out, srun, scontrol = run_sbatch(tmp_path, signal.SIGTERM, DDPJOB_REQUEUE_ON_TERM="1")
+    assert "srun got TERM" in srun
+    assert scontrol.splitlines() == ["scontrol requeue 100"], out
+    assert code == 75
+
+
+def test_no_requeue_when_the_workers_did_not_checkpoint(tmp_path):
+    code, out, _, scontrol = run_sbatch(tmp_path, signal.SIGUSR1, SRUN_EXIT="1")
+    assert code == 1 and scontrol == ""
+    assert "not requeueing job 100: the workers exited with 1" in out
+
+
+def test_the_batch_scripts_own_settings_do_not_reach_ddpjob(tmp_path):
+    """ddpjob rejects DDPJOB_* keys it does not know; DDPJOB_VENV & co. are the script's, not ddpjob's."""
+    code, out, _, _ = run_sbatch(
+        tmp_path, signal.SIGTERM, DDPJOB_REQUEUE_ON_TERM="0", DDPJOB_APPTAINER="", DDPJOB_PYXIS_IMAGE=""
+    )
+    assert code == 75, out  # `ddpjob config` ran first and accepted the environment
+    srun_env = (tmp_path / "srun.env").read_text().splitlines()
+    assert [line for line in srun_env if line.startswith("DDPJOB_")] == [f"DDPJOB_RUN_DIR={tmp_path / 'run'}"]
