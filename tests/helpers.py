@@ -91,9 +91,9 @@ def ok(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    from ddpjob import checkpoint
+    from ddpjob import checkpoint, checkpointer
 
-    newest = checkpoint.list_steps(run_dir / "checkpoints")[0][1]
+    newest = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
     return checkpoint.read(newest)["model"]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpjob import checkpoint
+from ddpjob import checkpoint, checkpointer, weights
 from ddpjob.errors import StorageError, UsageError
 from ddpjob.train import build
 
@@ -37,7 +37,7 @@ def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
         checkpoint.save({"model": tutorial_model().state_dict(), "step": step}, checkpoint.path_for(tmp_path, step))
     newest = checkpoint.path_for(tmp_path, 20)
     newest.write_bytes(newest.read_bytes()[:-100])
-    assert checkpoint.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 10)
+    assert checkpointer.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 10)
     warning = capsys.readouterr().err
     assert f"skipping checkpoint {newest}" in warning and "truncated" in warning
 
@@ -45,7 +45,7 @@ def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
 def test_checkpoint_without_manifest_is_never_resumed_from(tmp_path):
     checkpoint.save({"step": 1}, checkpoint.path_for(tmp_path, 1))
     torch.save({"step": 2}, checkpoint.path_for(tmp_path, 2))  # a save that died before its manifest
-    assert checkpoint.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 1)
+    assert checkpointer.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 1)
 
 
 def test_flipped_byte_fails_the_checksum(tmp_path):
@@ -59,12 +59,21 @@ def test_flipped_byte_fails_the_checksum(tmp_path):
         checkpoint.read(path)
 
 
-def test_prune_keeps_the_newest(tmp_path):
-    for step in (1, 2, 3, 4):
-        checkpoint.save({"step": step}, checkpoint.path_for(tmp_path, step))
-    checkpoint.prune(tmp_path, keep=2)
-    assert [s for s, _ in checkpoint.list_steps(tmp_path)] == [4, 3]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3.pt", "step-3.pt.sum", "step-4.pt", "step-4.pt.sum"]
+def test_prune_keeps_the_newest_of_its_own_run_and_never_touches_another_runs(tmp_path):
+    for step, run in ((1, "old"), (2, "old"), (3, "mine"), (4, "mine"), (5, "mine"), (9, "old")):
+        checkpoint.save({"step": step}, checkpoint.path_for(tmp_path, step), run=run)
+    checkpointer.prune(tmp_path, keep=2, run="mine")
+    assert [s for s, _ in checkpointer.list_steps(tmp_path)] == [9, 5, 4, 2, 1]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-4")) == ["step-4.pt", "step-4.pt.sum"]
+    assert not checkpoint.manifest_path(checkpoint.path_for(tmp_path, 3)).exists()
+
+
+def test_a_save_that_fails_midway_leaves_no_temporary_and_no_checkpoint(tmp_path):
+    state = {"model": tutorial_model().state_dict(), "bad": lambda: 0}  # fails once the temporary is open
+    target = checkpoint.path_for(tmp_path, 1)
+    with pytest.raises(AttributeError, match="pickle"):
+        checkpoint.save(state, target)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unwritable_dir_raises_storage_error_and_leaves_no_temp(tmp_path):
@@ -75,6 +84,44 @@ def test_unwritable_dir_raises_storage_error_and_leaves_no_temp(tmp_path):
         target = checkpoint.path_for(tmp_path, 1)
     with pytest.raises(StorageError, match="cannot write checkpoint"):
         checkpoint.save({"step": 1}, target)
+    assert not target.parent.exists() or list(target.parent.iterdir()) == []
+
+
+def test_temporaries_are_created_exclusively_and_never_through_a_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    target = checkpoint.path_for(tmp_path, 1)
+    from ddpjob import fsutil
+
+    fsutil.temp_name(target).symlink_to(victim)  # a link planted at the predictable temporary name
+    checkpoint.save({"step": 1}, target)
+    assert victim.read_text() == "keep me" and checkpoint.verify(target) is None
+    assert not fsutil.temp_name(target).exists()
+
+
+def test_leftovers_of_killed_saves_are_removed_and_checkpoints_kept(tmp_path):
+    checkpoint.save({"step": 1}, checkpoint.path_for(tmp_path, 1))
+    (tmp_path / ".step-2.pt.tmp-otherhost-123").write_bytes(b"x" * 100)
+    (tmp_path / ".step-2.pt.sum.tmp-otherhost-123").write_text("{}")
+    (tmp_path / ".step-3.tmp").mkdir()
+    (tmp_path / ".step-3.tmp" / "__0_0.distcp").write_bytes(b"x")
+    removed = checkpointer.remove_temporaries(tmp_path)
+    assert len(removed) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1.pt", "step-1.pt.sum"]
+
+
+def test_loaded_checkpoints_keep_every_tensor_in_host_memory_so_rng_states_restore(tmp_path):
+    from ddpjob import rng
+
+    model = tutorial_model().state_dict()
+    rng.seed_all(5)
+    path = checkpoint.path_for(tmp_path, 1)
+    checkpoint.save({"rng": [rng.get_state()], "model": model}, path)
+    expected = torch.rand(3)
+    loaded = checkpoint.read(path)
+    assert all(t.device.type == "cpu" for t in tensors_in(loaded))
+    rng.set_state(loaded["rng"][0])
+    assert torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize("wrap", ["plain", "dp", "ddp-style", "lightning", "ours"])
@@ -83,33 +130,33 @@ def test_weights_load_from_any_wrapper_into_a_plain_model(tmp_path, wrap):
     state = {
         "plain": src.state_dict(),
         "dp": nn.DataParallel(src).state_dict(),
-        "ddp-style": checkpoint.add_prefix(src.state_dict()),
+        "ddp-style": weights.add_prefix(src.state_dict()),
         "lightning": {"state_dict": src.state_dict()},
         "ours": {"model": src.state_dict(), "step": 1},
     }[wrap]
     path = tmp_path / "w.pt"
     torch.save(state, path)
-    weights = checkpoint.model_state(checkpoint.read(path), str(path))
+    loaded = weights.model_state(checkpoint.read(path), str(path))
     dst = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
-    checkpoint.load_weights(dst, weights, str(path))
+    weights.load_weights(dst, loaded, str(path))
     for key, value in src.state_dict().items():
         assert torch.equal(dst.state_dict()[key], value)
 
 
 def test_prefix_added_for_a_wrapped_model_and_stripped_back():
     sd = tutorial_model().state_dict()
-    wrapped = checkpoint.add_prefix(sd)
+    wrapped = weights.add_prefix(sd)
     assert list(wrapped) == ["module." + k for k in sd]
     nn.DataParallel(tutorial_model()).load_state_dict(wrapped)  # loads into a wrapped model as-is
-    assert list(checkpoint.strip_prefix({"module._orig_mod.0.weight": 1})) == ["0.weight"]
+    assert list(weights.strip_prefix({"module._orig_mod.0.weight": 1})) == ["0.weight"]
 
 
 def test_meta_built_model_takes_checkpoint_tensors_without_a_copy(tmp_path):
     path = tmp_path / "w.pt"
     torch.save(tutorial_model().state_dict(), path)
-    weights = checkpoint.model_state(checkpoint.read(path, mmap=True), str(path))
-    model = build("examples.tutorial:model", 0, weights, str(path))
-    assert model[0].weight.data_ptr() == weights["0.weight"].data_ptr()
+    loaded = weights.model_state(checkpoint.read(path, mmap=True), str(path))
+    model = build("examples.tutorial:model", 0, loaded, str(path))
+    assert model[0].weight.data_ptr() == loaded["0.weight"].data_ptr()
     assert all(p.requires_grad for p in model.parameters())
 
 
@@ -119,7 +166,7 @@ def test_shape_and_key_mismatch_lists_every_problem():
     sd["extra.bias"] = torch.zeros(1)
     del sd["0.bias"]
     with pytest.raises(UsageError) as err:
-        checkpoint.load_weights(tutorial_model(), sd, "ck.pt")
+        weights.load_weights(tutorial_model(), sd, "ck.pt")
     lines = str(err.value).splitlines()
     assert "3 problems" in lines[0]
     assert any("missing key 0.bias" in ln for ln in lines)
@@ -157,7 +204,7 @@ def test_pickled_code_in_a_zip_checkpoint_is_refused(tmp_path):
 
 def test_a_file_holding_no_state_dict_is_rejected(tmp_path):
     with pytest.raises(UsageError, match="no model state dict"):
-        checkpoint.model_state({"step": 3}, "x.pt")
+        weights.model_state({"step": 3}, "x.pt")
 
 
 def awkward_state() -> dict:
@@ -186,7 +233,7 @@ def _broadcast_rank(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    got = checkpoint.broadcast(awkward_state() if rank == 0 else None, torch.device("cpu"))
+    got = weights.broadcast(awkward_state() if rank == 0 else None, None)
     torch.save(got, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 

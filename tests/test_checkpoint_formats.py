@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ddpjob import checkpoint, sharded
+from ddpjob import checkpoint, checkpointer, sharded
 from helpers import assert_bitwise_equal, ddpjob, final_params, ok, torchrun
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,12 @@ def test_incomplete_dcp_folder_is_skipped(work):
     ok(torchrun([*DCP, "--max-steps", "10", "--save-every", "5"], work))
     newest = work / "runs/ddpjob/checkpoints/step-10"
     next(newest.glob("*.distcp")).write_bytes(b"")
-    assert checkpoint.latest_valid(newest.parent) == newest.with_name("step-5")
+    assert checkpointer.latest_valid(newest.parent) == newest.with_name("step-5")
 
 
 def test_file_and_dcp_convert_both_ways_without_change(work):
     ok(ddpjob(["train", "--epochs", "1", "--log-every", "1000"], work))
-    src = checkpoint.list_steps(work / "runs/ddpjob/checkpoints")[0][1]
+    src = checkpointer.list_steps(work / "runs/ddpjob/checkpoints")[0][1]
     ok(ddpjob(["ckpt", "convert", str(src), "as_dcp", "--to", "dcp"], work))
     ok(ddpjob(["ckpt", "convert", "as_dcp", "back.pt", "--to", "ddpjob"], work))
     original = checkpoint.read(src)["model"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import checkpoint, sharded
+from ddpjob import checkpoint, checkpointer, sharded
 from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, plain_env_ranks, spawn
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_stop_signal_checkpoints_exits_75_and_resumes_bitwise(work, uninterrupte
     assert agent.returncode == 75, out[-3000:]
     (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
     assert stop["signal"] == sig and stop["step"] % 128 != 0  # mid-epoch
-    assert checkpoint.list_steps(run_dir / "checkpoints")[0][0] == stop["step"]
+    assert checkpointer.list_steps(run_dir / "checkpoints")[0][0] == stop["step"]
 
     out = ok(ddpjob(["launch", "--nproc-per-node", "2", *JOB], work, timeout=300))
     starts = [r for r in records(run_dir) if r["event"] == "start"]
@@ -108,13 +108,13 @@ def test_stop_signal_during_async_dcp_saves_seals_them_and_resumes_bitwise(work,
     out = agent.communicate(timeout=180)[0]
     assert agent.returncode == 75, out[-3000:]
     (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
-    newest = checkpoint.list_steps(run_dir / "checkpoints")[0]
+    newest = checkpointer.list_steps(run_dir / "checkpoints")[0]
     assert newest[0] == stop["step"] and sharded.verify(newest[1]) is None
     assert not list((run_dir / "checkpoints").glob(".*tmp"))  # every save in flight was sealed
 
     ok(ddpjob(["launch", "--nproc-per-node", "2", *args], work, timeout=300))
     assert [r for r in records(run_dir) if r["event"] == "start"][-1]["step"] == stop["step"]
-    final = checkpoint.list_steps(run_dir / "checkpoints")[0][1]
+    final = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
     assert_bitwise_equal(uninterrupted, sharded.read_model(final))
 
 
@@ -182,7 +182,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_newest(tmp_path)
     wait_until(lambda: any(".tmp-" in p.name for p in tmp_path.iterdir()), 60, "the write to start")
     writer.send_signal(signal.SIGKILL)
     writer.wait(timeout=30)
-    assert checkpoint.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 1)
+    assert checkpointer.latest_valid(tmp_path) == checkpoint.path_for(tmp_path, 1)
     assert checkpoint.read(checkpoint.path_for(tmp_path, 1))["step"] == 1
 
 
@@ -226,8 +226,8 @@ def test_disk_full_during_save_fails_fast_and_keeps_the_previous_checkpoint(work
     assert len(lines) == nproc and not any("Traceback" in ln for ln in worker_lines), proc.stderr[-3000:]
     assert all("cannot write checkpoint" in ln and "No space left on device" in ln for ln in lines), lines
     assert nproc == 1 or "failed (exitcode: 3)" in proc.stderr
-    saved = checkpoint.list_steps(work / "ck-after")
-    assert saved and checkpoint.latest_valid(work / "ck-after") == saved[0][1]  # the newest one is whole
+    saved = checkpointer.list_steps(work / "ck-after")
+    assert saved and checkpointer.latest_valid(work / "ck-after") == saved[0][1]  # the newest one is whole
 
 
 @root_only

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ddpjob import checkpoint
+from ddpjob import checkpoint, checkpointer, optional, sharded
 from ddpjob.errors import UsageError
+from ddpjob.weights import WRAPPER_PREFIXES, add_prefix, model_state
 
 
 def describe_format(obj: Any) -> str:
@@ -34,13 +35,9 @@ def load_any(path: Path) -> Any:
     """A checkpoint or state dict from a torch file, the tensors of a .safetensors file, or the
     model weights of a DCP folder."""
     if path.is_dir():
-        from ddpjob import sharded
-
         return {"format": "dcp", "model": sharded.read_model(path)}
     if path.suffix == ".safetensors" and path.is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        return optional.require("safetensors.torch", f"reading {path}").load_file(str(path))
     return checkpoint.read(path)
 
 
@@ -51,17 +48,16 @@ def size_of(path: Path) -> int:
 def inspect(path: Path, show: int = 50) -> list[str]:
     obj = load_any(path)
     raw_keys = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), Mapping)), obj)
-    weights = checkpoint.model_state(obj, str(path))
-    prefixes = sorted({p for k in raw_keys for p in checkpoint.WRAPPER_PREFIXES if k.startswith(p)})
-    has_manifest = path.is_dir() or checkpoint.manifest_path(path).exists()
-    integrity = checkpoint.verify(path) if has_manifest else "no manifest"
+    weights = model_state(obj, str(path))
+    prefixes = sorted({p for k in raw_keys for p in WRAPPER_PREFIXES if k.startswith(p)})
+    integrity = checkpointer.verify(path) if checkpointer.has_manifest(path) or path.is_dir() else "no manifest"
     params = sum(t.numel() for t in weights.values())
     lines = [
         f"file:       {path} ({size_of(path) / 2**20:.2f} MiB)",
         f"format:     {describe_format(obj)}",
         f"integrity:  {'ok (matches its manifest)' if integrity is None else integrity}",
         f"written by: torch {obj.get('torch_version', '?')}",
-        f"step/epoch: {obj.get('step', '-')} / {obj.get('progress', {}).get('epoch', '-')}",
+        f"step/epoch: {obj.get('step', '-')} / {obj.get('epoch', obj.get('progress', {}).get('epoch', '-'))}",
         f"prefix:     {', '.join(prefixes) + ' (wrapped model; ddpjob strips it on load)' if prefixes else 'none'}",
         f"contents:   {', '.join(k for k in obj if isinstance(k, str) and k not in raw_keys) or 'weights only'}",
         f"weights:    {len(weights)} tensors, {params:,} values",
@@ -75,18 +71,15 @@ def inspect(path: Path, show: int = 50) -> list[str]:
 
 def convert(src: Path, dst: Path, to: str, prefix: str) -> str:
     """Write src's model weights to dst as `to` (plain, ddpjob or safetensors), with or without prefix."""
-    weights = checkpoint.model_state(load_any(src), str(src))
+    weights = model_state(load_any(src), str(src))
     if prefix:
-        weights = checkpoint.add_prefix(weights, prefix)
+        weights = add_prefix(weights, prefix)
     if dst.resolve() == src.resolve():
         raise UsageError(f"{dst} is the input file; write the converted checkpoint elsewhere")
     if to == "dcp":
-        from ddpjob import sharded
-
         sharded.write_model(weights, dst)
     elif to == "safetensors":
-        from safetensors.torch import save_file
-
+        save_file = optional.require("safetensors.torch", "ddpjob ckpt convert --to safetensors").save_file
         save_file({k: v.contiguous() for k, v in weights.items()}, str(dst))
     else:
         data: dict[str, Any] = weights

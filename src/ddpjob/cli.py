@@ -13,11 +13,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from ddpjob import config
-from ddpjob.errors import EXIT_FAILED, EXIT_OK, PeerLost, StorageError, UsageError, exit_code_for
+from ddpjob import config, versions
+from ddpjob.errors import EXIT_FAILED, EXIT_OK, Retriable, StorageError, UsageError, exit_code_for
 
 
 def _train(argv: Sequence[str]) -> int:
+    versions.check_torch()  # before the worker's own imports, which need a recent torch
     import torch
 
     from ddpjob import distenv, logs, train
@@ -92,10 +93,12 @@ def _launch(argv: Sequence[str]) -> int:
     # workers still get the user's setting. TORCH_CPP_LOG_LEVEL=INFO shows everything again.
     user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "ERROR"
-    from ddpjob import launch
-
-    if user_level is None:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    try:
+        versions.check_torch()  # loads torch, under the level above
+        from ddpjob import launch
+    finally:
+        if user_level is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
     return launch.main(argv)
 
 
@@ -125,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command is None:
             raise UsageError(f"unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}")
         return command[0](argv[1:])
-    except (UsageError, StorageError, PeerLost) as exc:
+    except (UsageError, StorageError, Retriable) as exc:
         print(f"ddpjob: error: {exc}", file=sys.stderr, flush=True)
         return exit_code_for(exc)
     except KeyboardInterrupt:

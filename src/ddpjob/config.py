@@ -7,7 +7,6 @@ every source are parsed and validated here, so bad input fails before any networ
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -16,6 +15,7 @@ from typing import Any
 
 from dotenv import dotenv_values
 
+from ddpjob import optional
 from ddpjob.errors import UsageError
 
 ENV_PREFIX = "DDPJOB_"
@@ -45,6 +45,10 @@ class Config:
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     init_method: str = _opt("env://", "process group init: env:// or tcp://HOST:PORT")
     collective_timeout: float = _opt(300.0, "seconds before a stuck collective (dead peer) fails the job")
+    save_timeout: float = _opt(
+        1800.0, "seconds the ranks wait for a checkpoint save or load (slow storage) before failing the job"
+    )
+    fs_timeout: float = _opt(120.0, "seconds a rank waits to see the checkpoint rank 0 chose (shared storage lag)")
     # where results go
     run_dir: str = _opt("runs/ddpjob", "directory for checkpoints, metrics and logs of this job")
     checkpoint_dir: str = _opt("", "checkpoint directory (default: RUN_DIR/checkpoints)")
@@ -188,9 +192,9 @@ def validate(cfg: Config) -> None:
     for name in ("max_steps", "save_every", "num_workers", "max_restarts", "nnodes", "nproc_per_node", "heartbeat"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
-    if cfg.lr <= 0 or cfg.collective_timeout <= 0:
-        bad = "lr" if cfg.lr <= 0 else "collective_timeout"
-        raise UsageError(f"{flag(bad)} must be positive, got {getattr(cfg, bad)}")
+    for name in ("lr", "collective_timeout", "save_timeout", "fs_timeout"):
+        if getattr(cfg, name) <= 0:
+            raise UsageError(f"{flag(name)} must be positive, got {getattr(cfg, name)}")
     if cfg.node_rank < -1 or (cfg.nnodes and cfg.node_rank >= cfg.nnodes):
         raise UsageError(f"--node-rank {cfg.node_rank} is outside 0..{max(cfg.nnodes, 1) - 1}")
     for name in ("model", "data"):
@@ -199,8 +203,8 @@ def validate(cfg: Config) -> None:
             raise UsageError(f"{flag(name)} {spec!r} must look like package.module:callable")
     if cfg.checkpoint_format == "dcp" and cfg.load_mode == "rank0":
         raise UsageError("--checkpoint-format dcp is read by every rank; use --load-mode mmap")
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UsageError(f"--tensorboard {cfg.tensorboard} needs the tensorboard package; pip install tensorboard")
+    if cfg.tensorboard:
+        optional.require("tensorboard", f"--tensorboard {cfg.tensorboard}")
     if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):
         raise UsageError(f"--init-method {cfg.init_method!r} must be env:// or tcp://HOST:PORT")
     for name in ("resume", "init_from"):

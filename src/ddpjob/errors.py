@@ -19,7 +19,12 @@ class StorageError(Exception):
     """A checkpoint could not be written (permissions, disk full). Exit code EXIT_STORAGE."""
 
 
-class PeerLost(Exception):
+class Retriable(Exception):
+    """A condition that may clear by itself: a file rank 0 wrote not yet visible on a node's view of
+    shared storage, a peer lost. One line; exit code EXIT_FAILED, so a restart or requeue retries."""
+
+
+class PeerLost(Retriable):
     """A collective failed: a peer died, hung past the collective timeout, or lost its network.
 
     One line instead of the backend's traceback; exit code EXIT_FAILED, so torchrun may restart.

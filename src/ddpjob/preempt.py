@@ -7,12 +7,17 @@ all of them stop after the same step, rank 0 checkpoints, and all exit with EXIT
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+import time
 from types import FrameType
 
 import torch
 import torch.distributed as dist
+
+from ddpjob.errors import EXIT_FAILED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -64,3 +69,23 @@ class StopSignal:
     def restore_defaults() -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+
+
+def exit_with_parent(interval: float = 1.0) -> None:
+    """End this worker within ``interval`` seconds of its parent (the torchrun agent) dying.
+
+    torchrun starts each worker in a session of its own, so when the agent is killed with SIGKILL
+    (the OOM killer, a crash, a supervisor that kills only its child) nothing reaches the workers:
+    they would train on, holding ports and the checkpoint dir, beside the job that replaces them.
+    A daemon thread notices the new parent and ends the process; its lock on the checkpoint dir
+    goes with it. (``PR_SET_PDEATHSIG`` would follow the agent's forking thread, not the agent.)
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        print(f"[ddpjob] the torchrun agent (pid {parent}) is gone: this worker exits", file=sys.stderr, flush=True)
+        os._exit(EXIT_FAILED)
+
+    threading.Thread(target=watch, name="ddpjob-parent-watch", daemon=True).start()

@@ -30,10 +30,12 @@ def get_state() -> dict[str, Any]:
 
 
 def set_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore every generator. The torch RNG setters take host byte tensors only, so states that
+    were loaded onto a device are brought back first."""
+    torch.set_rng_state(state["torch"].cpu())
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))

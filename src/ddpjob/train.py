@@ -12,11 +12,9 @@ import gc
 import hashlib
 import os
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,14 +23,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from ddpjob import checkpoint, rng, sharded
+from ddpjob import rng
+from ddpjob.checkpointer import Checkpointer, Loaded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
-from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, StorageError, UsageError, exit_code_for, first_line
+from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, UsageError, exit_code_for, first_line
 from ddpjob.logs import start_heartbeat
 from ddpjob.metrics import Metrics
 from ddpjob.plugins import build_data, build_model, load_callable
-from ddpjob.preempt import StopSignal
+from ddpjob.preempt import StopSignal, exit_with_parent
+from ddpjob.weights import load_weights, model_state, unwrap
 
 
 @dataclass
@@ -63,13 +63,16 @@ class ResumableSampler(DistributedSampler[Any]):
 
 
 def pick_device(cfg: Config, env: DistEnv) -> torch.device:
+    """This rank's device, made the current CUDA device before anything touches CUDA: NCCL's
+    object collectives, pinned memory, autocast and the CUDA RNG all use the current device."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is visible; use --device cpu or check CUDA_VISIBLE_DEVICES")
     if cfg.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    if cfg.strategy == "dp":
-        return torch.device("cuda", 0)
-    return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    index = 0 if cfg.strategy == "dp" else env.local_rank % torch.cuda.device_count()
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
 
 
 def check_setup(cfg: Config, env: DistEnv) -> None:
@@ -107,79 +110,16 @@ def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
     )
 
 
-@dataclass
-class Loaded:
-    """What a run starts from: a checkpoint to resume, or weights to initialise from.
-    A DCP folder (``state`` None) is read later, into the live model and optimizer."""
-
-    state: Any
-    path: Path
-    resume: bool
-    identical: bool = False  # every rank provably holds the same weights: skip DDP's start-up broadcast
-
-    @property
-    def sharded(self) -> bool:
-        return self.state is None
-
-
-def find_source(cfg: Config) -> tuple[Path | None, bool]:
-    """(checkpoint to start from, whether it is a resume). A newest checkpoint wins over --init-from."""
-    if cfg.resume not in ("auto", "never"):
-        return Path(cfg.resume), True
-    if cfg.resume == "auto" and (newest := checkpoint.latest_valid(cfg.checkpoint_path)):
-        return newest, True
-    return (Path(cfg.init_from), False) if cfg.init_from else (None, False)
-
-
-def load_source(cfg: Config, env: DistEnv, device: torch.device) -> Loaded | None:
-    """Every rank memory-maps the file itself (``--load-mode mmap``), or only rank 0 reads it
-    (``rank0``, for nodes without a shared filesystem; see share_source)."""
-    if cfg.load_mode == "rank0" and env.is_distributed and not env.is_main:
-        return None
-    path, resume = find_source(cfg)
-    if path is None:
-        return None
-    if path.is_dir():
-        if cfg.load_mode == "rank0":
-            raise UsageError(f"{path} is a DCP folder, which every rank reads; use --load-mode mmap")
-        return Loaded(None, path, resume)
-    verified = resume and cfg.resume == "auto"  # latest_valid has just checked it
-    return Loaded(checkpoint.read(path, device, verified=verified), path, resume)
-
-
-def share_source(cfg: Config, env: DistEnv, device: torch.device, loaded: Loaded | None) -> Loaded | None:
-    """After init: make sure every rank starts from the same checkpoint, and say whether the
-    weights are provably identical (so DDP can skip its broadcast)."""
-    if not (dist.is_initialized() and env.is_distributed):
-        return loaded
-    if cfg.load_mode == "rank0":
-        box = [(loaded.path, loaded.resume) if loaded else None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return None
-        return Loaded(checkpoint.broadcast(loaded.state if loaded else None, device), *box[0], identical=True)
-    seen: list[Any] = [None] * env.world_size
-    dist.all_gather_object(seen, checkpoint.identity(loaded.path) if loaded else None)
-    if len(set(seen)) > 1:
-        raise UsageError(
-            f"ranks would start from different checkpoints: {seen}; put --checkpoint-dir on shared storage "
-            "or use --load-mode rank0"
-        )
-    if loaded and not loaded.sharded:
-        loaded.identical = True
-    return loaded
-
-
-def build(spec: str, seed: int, weights: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
+def build(spec: str, seed: int, state: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
     """The user's model, initialised from seed, or built on the meta device and given weights."""
-    if weights is None:
+    if state is None:
         rng.seed_all(seed)  # identical initial weights on every rank
         return build_model(spec)
     with torch.device("meta"):
         model = build_model(spec)
-    checkpoint.load_weights(model, weights, source)
+    load_weights(model, state, source)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # buffers outside the state dict
-        model = checkpoint.load_weights(build_model(spec), weights, source)
+        model = load_weights(build_model(spec), state, source)
     return model
 
 
@@ -227,122 +167,6 @@ def evaluate(
     return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
 
 
-class Checkpointer:
-    """Saves the Stateful objects of the run. Rank 0 writes; every rank learns whether it worked.
-
-    ``--save-mode async`` blocks the loop only for the copy of device tensors to CPU memory and
-    a fork; a child process serialises and writes a copy-on-write snapshot (same atomic file and
-    manifest), one save at a time. With DCP, each rank copies its state to CPU memory and a
-    thread writes it (``dcp.async_save``).
-    """
-
-    def __init__(self, cfg: Config, env: DistEnv, **stateful: Any) -> None:
-        self.cfg, self.env, self.stateful = cfg, env, stateful
-        self.last_saved = -1
-        self.pending: checkpoint.BackgroundSave | sharded.Pending | None = None
-        # Async DCP: writes collect on a gloo group of their own (not the loop's), and the CPU copy
-        # of the state is kept between saves, so later saves copy into it without allocating.
-        self.group, self.stager = None, None
-        if cfg.checkpoint_format == "dcp" and cfg.save_mode == "async":
-            self.stager = sharded.reusable_stager()
-            if dist.is_initialized():
-                self.group = dist.new_group(backend="gloo")
-
-    def save(self, step: int) -> None:
-        rng_states: list[Any] = [rng.get_state()]
-        if dist.is_initialized() and self.env.world_size > 1:
-            rng_states = [None] * self.env.world_size
-            dist.all_gather_object(rng_states, rng.get_state())
-        about = dict(
-            format=checkpoint.FORMAT,
-            step=step,
-            rng=rng_states,
-            config=self.cfg.to_dict(),
-            world_size=self.env.world_size,
-            torch_version=str(torch.__version__),
-        )
-        if self.cfg.checkpoint_format == "dcp":
-            self._save_sharded(step, about)
-            return
-        error = ""
-        if self.env.is_main:
-            try:
-                self.wait()  # at most one save in flight
-                state = {name: obj.state_dict() for name, obj in self.stateful.items()}
-                state["model"] = checkpoint.unwrap(self.stateful["model"]).state_dict()
-                state.update(about)
-                path = checkpoint.path_for(self.cfg.checkpoint_path, step)
-                if self.cfg.save_mode == "async":
-                    self.pending = checkpoint.BackgroundSave(
-                        checkpoint.map_tensors(state, lambda t: t.detach().to("cpu")), path, lambda: self._done(path)
-                    )
-                else:
-                    checkpoint.save(state, path)
-                    self._done(path)
-            except StorageError as exc:
-                error = str(exc)
-        self._agree(error)
-        self.last_saved = step
-
-    def _save_sharded(self, step: int, about: dict[str, Any]) -> None:
-        """Every rank writes its part of a DCP folder (async: from a thread, one save at a time)."""
-        extra = {name: self.stateful[name].state_dict() for name in ("scheduler", "progress")} | about
-        model, optimizer, directory = self.stateful["model"], self.stateful["optimizer"], self.cfg.checkpoint_path
-        error = ""
-        try:
-            self.wait()
-            if self.cfg.save_mode == "async":
-                self.pending = sharded.save_async(
-                    directory, step, model, optimizer, extra, self.group, self._done, self.stager
-                )
-            else:
-                path = sharded.save(directory, step, model, optimizer, extra)
-                if self.env.is_main:
-                    self._done(path)
-        except StorageError as exc:
-            error = str(exc)
-        self._agree(error)
-        self.last_saved = step
-
-    def close(self) -> None:
-        """Wait for a save in flight; every rank learns whether it worked."""
-        error = ""
-        try:
-            self.wait()
-        except StorageError as exc:
-            error = str(exc)
-        if self.stager:
-            self.stager.close()
-        self._agree(error)
-
-    def _done(self, path: Path) -> None:  # rank 0, once the checkpoint is complete
-        checkpoint.prune(self.cfg.checkpoint_path, self.cfg.keep)
-        print(f"[ddpjob] saved {path}", flush=True)
-
-    def wait(self) -> None:
-        """Until the save in flight (if any) is on disk; raises its StorageError."""
-        pending, self.pending = self.pending, None
-        if pending:
-            pending.wait()
-
-    def _agree(self, error: str) -> None:
-        """Rank 0 tells everyone how its save went (also the barrier after a save)."""
-        if dist.is_initialized() and self.env.world_size > 1:
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
-        if not error:
-            return
-        if self.cfg.on_save_error == "fail":
-            raise StorageError(error)
-        if self.env.is_main:
-            print(
-                f"[ddpjob] WARNING: checkpoint NOT saved, training goes on (--on-save-error warn): {error}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
 _PEER_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|pair closure|timed out", re.IGNORECASE)
 
 
@@ -359,14 +183,15 @@ def backend_message(exc: RuntimeError) -> str:
 
 def run(cfg: Config, env: DistEnv) -> int:
     check_setup(cfg, env)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        exit_with_parent()  # an agent killed with SIGKILL must not leave its workers training on
     device = pick_device(cfg, env)
     load_callable(cfg.model)  # import errors surface here, before any network wait
     train_set, val_set = build_data(cfg.data)
-    loaded = load_source(cfg, env, device)
     if cfg.strategy == "ddp":
         init_process_group(cfg, env, device)
     try:
-        return train(cfg, env, device, train_set, val_set, share_source(cfg, env, device, loaded))
+        return train(cfg, env, device, train_set, val_set)
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
             raise PeerLost(
@@ -389,14 +214,15 @@ def train(
     device: torch.device,
     train_set: Dataset[Any],
     val_set: Dataset[Any] | None,
-    loaded: Loaded | None,
 ) -> int:
     if env.is_main:
         print_config(cfg)
 
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
-    weights = checkpoint.model_state(loaded.state, str(loaded.path)) if loaded and not loaded.sharded else None
-    model: nn.Module = build(cfg.model, cfg.seed, weights, str(loaded.path) if loaded else "").to(device)
+    checkpointer = Checkpointer(cfg, env)
+    loaded: Loaded | None = checkpointer.begin()  # rank 0 chooses; every rank verifies and loads
+    state = model_state(loaded.state, str(loaded.path)) if loaded and not loaded.sharded else None
+    model: nn.Module = build(cfg.model, cfg.seed, state, str(loaded.path) if loaded else "").to(device)
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
     if cfg.strategy == "ddp":  # skip the start-up broadcast when all ranks loaded the same verified file
         identical = loaded is not None and loaded.identical
@@ -430,18 +256,9 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
     progress = Progress()
-    checkpointer = Checkpointer(cfg, env, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
-    if loaded and loaded.sharded:  # DCP: read into the live model (and optimizer), at any world size
-        resumed = sharded.load(loaded.path, model, optimizer if loaded.resume else None) or None
-    else:
-        resumed = loaded.state if loaded and loaded.resume else None
+    checkpointer.attach(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+    resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
-        for name in ("optimizer", "scheduler", "progress"):
-            if name in resumed:  # a DCP checkpoint has restored the optimizer already
-                checkpointer.stateful[name].load_state_dict(resumed[name])
-        rng_states = resumed["rng"]
-        if len(rng_states) == env.world_size:  # at another world size, reseeded streams are the best we can do
-            rng.set_state(rng_states[env.rank])
         checkpointer.last_saved = progress.step
 
     samples_per_step = cfg.batch_size * cfg.grad_accum * env.world_size
@@ -486,10 +303,10 @@ def train(
                 metrics.step(progress.step, progress.epoch, loss)
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
-                    checkpointer.save(progress.step)
+                    checkpointer.save(progress.step, progress.epoch)
                 if stop.agreed(progress.step):  # a signal: checkpoint, then exit "requeue me"
                     if checkpointer.last_saved != progress.step:
-                        checkpointer.save(progress.step)
+                        checkpointer.save(progress.step, progress.epoch)
                     checkpointer.close()
                     metrics.write(event="preempted", step=progress.step, signal=stop.received)
                     exit_code = EXIT_PREEMPTED
@@ -498,7 +315,7 @@ def train(
                     break
             if progress.batch >= batches_per_epoch:  # epoch finished: evaluate, move on
                 if val_set is not None:
-                    result = evaluate(checkpoint.unwrap(model), val_set, env, device, cfg.batch_size)
+                    result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
                     metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
                     if env.is_main:
                         print(
@@ -510,10 +327,10 @@ def train(
 
         stop.finish()
         if checkpointer.last_saved != progress.step:
-            checkpointer.save(progress.step)
+            checkpointer.save(progress.step, progress.epoch)
         checkpointer.close()
-        final = evaluate(checkpoint.unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
-        params = check_replicas_equal(checkpoint.unwrap(model), env)
+        final = evaluate(unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
+        params = check_replicas_equal(unwrap(model), env)
         if env.is_main:
             summary = " ".join(f"{k} {v:.4f}" for k, v in final.items())
             print(

@@ -1,0 +1,444 @@
+"""The checkpoint interface the training loop calls: where to start from, save, and prune.
+
+``Checkpointer.begin`` (collective): rank 0 locks the checkpoint dir (one live writing job per
+dir), removes the temporaries of killed saves, and chooses what to start from: the newest valid
+checkpoint (``--resume auto``), a given one, or ``--init-from`` weights. It refuses, in one line
+(exit 2), a start that would overwrite or mix with checkpoints it did not write. It broadcasts
+its choice; each other rank waits (``--fs-timeout``) until the file is visible on its own view of
+shared storage and matches, so a lagging NFS client is a retriable failure (exit 1), not bad input.
+
+Each run has a lineage id (``run``), kept in every manifest: a resume continues its checkpoint's
+lineage, a fresh start begins one. ``--keep`` prunes only the run's own lineage.
+
+Saves (``save``) go through one of the two formats, which do not know about each other:
+``ddpjob.checkpoint`` (one file, rank 0 writes) and ``ddpjob.sharded`` (DCP, every rank writes).
+Every checkpoint collective runs on a gloo group of its own with ``--save-timeout``, so a long
+save on slow storage never looks like a dead peer to the training group's ``--collective-timeout``.
+``--save-mode async`` copies the state to host memory (reusing the copy between saves; tied
+tensors stay tied) and writes it from a thread: no fork, one extra host copy of the state.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpjob import checkpoint, dirlock, fsutil, rng, sharded, weights
+from ddpjob.config import Config
+from ddpjob.distenv import DistEnv
+from ddpjob.errors import Retriable, StorageError, UsageError
+
+_STEP = re.compile(r"^step-(\d+)(\.pt)?$")  # a file (ddpjob.checkpoint), or a DCP folder (ddpjob.sharded)
+
+
+def format_of(path: Path) -> ModuleType:
+    """The format module that reads and checks path: a folder is DCP, a file the single-file format."""
+    return sharded if path.is_dir() else checkpoint
+
+
+def step_of(path: Path) -> int | None:
+    return int(m.group(1)) if (m := _STEP.match(path.name)) else None
+
+
+def list_steps(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step-<N>.pt file and step-<N> DCP folder in directory, newest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(((s, p) for p in directory.iterdir() if (s := step_of(p)) is not None), reverse=True)
+
+
+def verify(path: Path) -> str | None:
+    return format_of(path).verify(path)
+
+
+def latest_valid(directory: Path) -> Path | None:
+    """The newest checkpoint whose manifest matches; each one skipped is named in a warning."""
+    for _, path in list_steps(directory):
+        reason = verify(path)
+        if reason is None:
+            return path
+        print(f"[ddpjob] warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+    return None
+
+
+def has_manifest(path: Path) -> bool:
+    return (path / sharded.MARKER if path.is_dir() else checkpoint.manifest_path(path)).exists()
+
+
+def complete(directory: Path) -> list[tuple[int, Path]]:
+    """Checkpoints whose save finished (they have a manifest), newest first, without reading them."""
+    return [(s, p) for s, p in list_steps(directory) if has_manifest(p)]
+
+
+def prune(directory: Path, keep: int, run: str) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints of lineage ``run``; nobody else's."""
+    own = [p for _, p in complete(directory) if format_of(p).run_of(p) == run]
+    for path in own[keep:]:
+        format_of(path).remove(path)
+
+
+def remove_temporaries(directory: Path) -> list[str]:
+    """Remove what killed saves left (``.step-N.pt.tmp-*``, ``.step-N.tmp/``, ...). Only safe while
+    holding the dir lock: then no live save of any job is writing them."""
+    removed = []
+    for path in directory.iterdir() if directory.is_dir() else []:
+        if fsutil.is_temp(path.name):
+            if path.is_dir():
+                sharded.remove(path)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+@dataclass
+class Choice:
+    """What rank 0 chose to start from, sent to every rank."""
+
+    path: Path | None
+    resume: bool
+    run: str  # the lineage this job writes
+    identity: str = ""  # content identity of path, to check every rank sees the same
+    error: str = ""  # rank 0's error, raised on every rank: UsageError, else (``retriable``) Retriable
+    retriable: bool = False
+
+
+@dataclass
+class Loaded:
+    """What a run starts from: a checkpoint to resume, or weights to initialise from.
+    A DCP resume (``state`` None) is read later, into the live model and optimizer."""
+
+    state: Any
+    path: Path
+    resume: bool
+    identical: bool = False  # every rank provably holds the same weights: skip DDP's start-up broadcast
+
+    @property
+    def sharded(self) -> bool:
+        return self.state is None
+
+
+def choose(cfg: Config) -> Choice:
+    """Rank 0: the checkpoint to start from and the lineage to write, or UsageError."""
+    directory = cfg.checkpoint_path
+    path, resume = None, False
+    if cfg.resume not in ("auto", "never"):
+        path, resume = Path(cfg.resume), True
+        if not path.exists():
+            raise UsageError(f"--resume {path} does not exist; check the path, or use --resume auto")
+        if has_manifest(path) and (reason := verify(path)):
+            raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
+    elif cfg.resume == "auto" and (newest := latest_valid(directory)):
+        path, resume = newest, True
+    run = format_of(path).run_of(path) if path and resume else uuid.uuid4().hex[:12]
+    start = (step_of(path) or 0) if path and resume else 0
+    clash = [p for s, p in complete(directory) if s > start]
+    if clash:
+        names = ", ".join(p.name for p in clash[-1:] + clash[:1]) if len(clash) > 1 else clash[0].name
+        what = f"resuming from {path.name} (step {start})" if path and resume else "a fresh start"
+        raise UsageError(
+            f"checkpoint dir {directory} holds {len(clash)} later checkpoint(s) ({names}) that {what} would "
+            "overwrite or mix with; continue them with --resume auto, or start afresh in another "
+            "--checkpoint-dir (or move them away)"
+        )
+    if not resume and cfg.init_from:
+        path = Path(cfg.init_from)
+        if not path.exists():
+            raise UsageError(f"--init-from {path} does not exist; check the path")
+    return Choice(path, resume, run, format_of(path).identity(path) if path else "")
+
+
+def wait_visible(path: Path, identity: str, timeout: float, rank: int) -> None:
+    """Until path is complete and is the checkpoint rank 0 chose (same identity). A file that
+    does not show up in time is a retriable failure; one that differs is bad input (no shared dir)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mine, reason = "", "not visible"
+        if path.exists():
+            reason = (verify(path) or "") if has_manifest(path) or path.is_dir() else ""
+            mine = "" if reason else format_of(path).identity(path)
+        if mine == identity:
+            return
+        if mine:
+            raise UsageError(
+                f"rank {rank} sees another {path} than rank 0 ({mine} vs {identity}); put --checkpoint-dir "
+                "on shared storage or use --load-mode rank0"
+            )
+        if time.monotonic() >= deadline:
+            raise Retriable(
+                f"rank {rank}: checkpoint {path} that rank 0 chose is {reason} here after --fs-timeout "
+                f"{timeout:g} s; shared storage is lagging (a restart retries), or --checkpoint-dir is not "
+                "shared between nodes (then use --load-mode rank0)"
+            )
+        time.sleep(0.5)
+
+
+class Checkpointer:
+    """Starts the run from the right checkpoint and saves the run's stateful objects.
+
+    Rank 0 writes single files; every rank writes its part of a DCP folder. Every rank learns
+    whether a save worked. ``attach`` names the objects to save (each with ``state_dict`` and
+    ``load_state_dict``; ``model`` and ``optimizer`` at least).
+    """
+
+    def __init__(self, cfg: Config, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.distributed = dist.is_initialized() and env.world_size > 1
+        self.stateful: dict[str, Any] = {}
+        self.run = ""
+        self.last_saved = -1
+        self.lock_fd: int | None = None
+        self.pending: _Pending | sharded.Pending | None = None
+        self.staged: list[torch.Tensor] = []  # host copy reused between async file saves
+        timeout = timedelta(seconds=cfg.save_timeout)
+        # Checkpoint collectives: on a gloo group with the save timeout. Async DCP writes from a
+        # thread on a second group, so the loop's save collectives never interleave with them.
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
+        self.writer_group, self.stager = None, None
+        if cfg.checkpoint_format == "dcp" and cfg.save_mode == "async":
+            self.stager = sharded.reusable_stager()
+            self.writer_group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
+
+    # ---- start ---------------------------------------------------------------------------------
+    def begin(self) -> Loaded | None:
+        """Collective: lock, clean, choose (rank 0), then every rank loads what rank 0 chose."""
+        choice = Choice(None, False, "")
+        if self.env.is_main:
+            try:
+                self._prepare_dir()
+                choice = choose(self.cfg)
+                if choice.path and choice.path.is_dir() and self.cfg.load_mode == "rank0" and self.distributed:
+                    raise UsageError(f"{choice.path} is a DCP folder, which every rank reads; use --load-mode mmap")
+            except (UsageError, OSError) as exc:  # never leave the other ranks waiting for a choice
+                choice.error, choice.retriable = str(exc), not isinstance(exc, UsageError)
+        if self.distributed:
+            box = [choice]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            choice = box[0]
+        self._raise(choice.error, choice.retriable)
+        self.run = choice.run
+        if choice.path is None:
+            return None
+        rank0_reads = self.cfg.load_mode == "rank0" and self.distributed
+        if self.distributed and not rank0_reads:  # every rank sees rank 0's choice, or every rank stops
+            error, retriable = "", False
+            if not self.env.is_main:
+                try:
+                    wait_visible(choice.path, choice.identity, self.cfg.fs_timeout, self.env.rank)
+                except (UsageError, Retriable) as exc:
+                    error, retriable = str(exc), isinstance(exc, Retriable)
+            outcomes: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(outcomes, (error, retriable), group=self.group)
+            failed = [o for o in outcomes if o[0]]
+            if failed:
+                self._raise(error or failed[0][0], any(o[1] for o in failed))
+        if choice.path.is_dir() and choice.resume:
+            return Loaded(None, choice.path, True)
+        if rank0_reads:
+            state = self._read(choice) if self.env.is_main else None
+            return Loaded(weights.broadcast(state, self.group), choice.path, choice.resume, identical=True)
+        return Loaded(self._read(choice), choice.path, choice.resume, identical=True)
+
+    def _prepare_dir(self) -> None:
+        """Rank 0: take the dir's lock, then remove the temporaries of saves that were killed."""
+        directory = self.cfg.checkpoint_path
+        self.lock_fd = dirlock.acquire(directory, wait=10.0)
+        if removed := remove_temporaries(directory):
+            print(f"[ddpjob] removed {len(removed)} leftover(s) of killed saves: {', '.join(removed)}", flush=True)
+
+    @staticmethod
+    def _raise(error: str, retriable: bool) -> None:
+        if error:
+            raise Retriable(error) if retriable else UsageError(error)
+
+    @staticmethod
+    def _read(choice: Choice) -> Any:
+        assert choice.path is not None
+        if choice.path.is_dir():  # --init-from a DCP folder: its model weights, like any state dict
+            return {"model": sharded.read_model(choice.path, verified=True)}
+        return checkpoint.read(choice.path, verified=True)
+
+    def attach(self, **stateful: Any) -> None:
+        self.stateful = stateful
+
+    def restore(self, loaded: Loaded, world_size: int, rank: int) -> dict[str, Any]:
+        """Resume: load the optimizer, scheduler, progress and this rank's RNG; the rest of the state."""
+        if loaded.sharded:  # DCP: read into the live model and optimizer, at any world size
+            resumed = sharded.load(
+                loaded.path, self.stateful["model"], self.stateful["optimizer"], self.group, verified=True
+            )
+        else:
+            resumed = loaded.state
+        in_place = {"model", "optimizer"} if loaded.sharded else {"model"}
+        for name, obj in self.stateful.items():
+            if name not in in_place and name in resumed:
+                obj.load_state_dict(resumed[name])
+        rng_states = resumed["rng"]
+        if len(rng_states) == world_size:  # at another world size, reseeded streams are the best we can do
+            rng.set_state(rng_states[rank])
+        return resumed
+
+    # ---- save ----------------------------------------------------------------------------------
+    def save(self, step: int, epoch: int) -> None:
+        rng_states: list[Any] = [rng.get_state()]
+        if self.distributed:
+            rng_states = [None] * self.env.world_size
+            dist.all_gather_object(rng_states, rng.get_state(), group=self.group)
+        about = dict(
+            format=checkpoint.FORMAT,
+            step=step,
+            epoch=epoch,
+            run=self.run,
+            rng=rng_states,
+            config=self.cfg.to_dict(),
+            world_size=self.env.world_size,
+            torch_version=str(torch.__version__),
+        )
+        error = ""
+        try:
+            self.wait()  # at most one save in flight
+            if self.cfg.checkpoint_format == "dcp":
+                self._save_sharded(step, about)
+            elif self.env.is_main:
+                self._save_file(step, about)
+        except StorageError as exc:
+            error = str(exc)
+        self._agree(error)
+        self.last_saved = step
+
+    def _save_file(self, step: int, about: dict[str, Any]) -> None:
+        state = {name: obj.state_dict() for name, obj in self.stateful.items() if name != "model"}
+        state["model"] = weights.unwrap(self.stateful["model"]).state_dict()
+        state.update(about)
+        path = checkpoint.path_for(self.cfg.checkpoint_path, step)
+        if self.cfg.save_mode == "async":
+            state, self.staged = stage(state, self.staged)
+
+            def write() -> None:
+                checkpoint.save(state, path, self.run)
+                self._done(path)
+
+            self.pending = _Pending(write)
+        else:
+            checkpoint.save(state, path, self.run)
+            self._done(path)
+
+    def _save_sharded(self, step: int, about: dict[str, Any]) -> None:
+        """Every rank writes its part of a DCP folder (async: from a thread)."""
+        extra = {n: o.state_dict() for n, o in self.stateful.items() if n not in ("model", "optimizer")} | about
+        model, optimizer, directory = self.stateful["model"], self.stateful["optimizer"], self.cfg.checkpoint_path
+        if self.cfg.save_mode == "async":
+            self.pending = sharded.save_async(
+                directory,
+                step,
+                model,
+                optimizer,
+                extra,
+                self.group,
+                self.writer_group,
+                self._done,
+                self.run,
+                self.stager,
+            )
+            return
+        path = sharded.save(directory, step, model, optimizer, extra, self.group, self.run)
+        if self.env.is_main:
+            self._done(path)
+
+    def close(self) -> None:
+        """Wait for a save in flight; every rank learns whether it worked."""
+        error = ""
+        try:
+            self.wait()
+        except StorageError as exc:
+            error = str(exc)
+        if self.stager:
+            self.stager.close()
+        self._agree(error)
+
+    def _done(self, path: Path) -> None:  # rank 0, once the checkpoint is complete
+        prune(self.cfg.checkpoint_path, self.cfg.keep, self.run)
+        print(f"[ddpjob] saved {path}", flush=True)
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) is on disk; raises its StorageError."""
+        pending, self.pending = self.pending, None
+        if pending:
+            pending.wait()
+
+    def _agree(self, error: str) -> None:
+        """Rank 0 tells everyone how its save went (also the barrier after a save)."""
+        if self.distributed:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            error = box[0]
+        if not error:
+            return
+        if self.cfg.on_save_error == "fail":
+            raise StorageError(error)
+        if self.env.is_main:
+            print(
+                f"[ddpjob] WARNING: checkpoint NOT saved, training goes on (--on-save-error warn): {error}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class _Pending:
+    """A file save running in a thread; ``wait`` joins it and raises its StorageError."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="ddpjob-save", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if isinstance(self.error, StorageError):
+            raise self.error
+        if self.error is not None:
+            raise StorageError(f"cannot write checkpoint: {self.error}")
+
+
+def stage(state: Any, buffers: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """A host copy of every tensor in state, made into buffers of the previous call where shapes
+    and dtypes match (no allocation after the first save). Tensors that share memory (tied
+    weights) share one copy, as they do in the model."""
+    reuse, used = iter(buffers), []
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = weights.storage_key(t)
+        if key in copies:
+            return copies[key]
+        buffer = next(reuse, None)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        buffer.copy_(t.detach(), non_blocking=t.is_cuda)
+        used.append(buffer)
+        copies[key] = buffer
+        return buffer
+
+    staged = weights.map_tensors(state, copy)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return staged, used

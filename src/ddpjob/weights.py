@@ -1,0 +1,142 @@
+"""Model weights, whoever wrapped or saved them: wrapper prefixes both ways, state dicts out of
+checkpoints of any shape, loading into a model (meta-built or not), and rank 0's broadcast.
+
+Model weights are always stored unwrapped: no ``module.`` prefix, whatever wrapper (DataParallel,
+DDP, torch.compile) trained them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ddpjob.errors import UsageError
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP, torch.compile
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DistributedDataParallel / torch.compile."""
+    while isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if hasattr(model, "module") else model._orig_mod  # type: ignore[assignment]
+    return model
+
+
+def strip_prefix(state: Mapping[str, Any], prefixes: tuple[str, ...] = WRAPPER_PREFIXES) -> dict[str, Any]:
+    """Remove wrapper prefixes (``module.``, ``_orig_mod.``) from every key, repeatedly."""
+    out = {}
+    for key, value in state.items():
+        while key.startswith(prefixes):
+            key = key[next(len(p) for p in prefixes if key.startswith(p)) :]
+        out[key] = value
+    return out
+
+
+def add_prefix(state: Mapping[str, Any], prefix: str = "module.") -> dict[str, Any]:
+    """The reverse: keys as a DataParallel/DDP-wrapped model's ``state_dict()`` has them."""
+    return {prefix + key: value for key, value in strip_prefix(state).items()}
+
+
+def model_state(obj: Any, source: str) -> dict[str, torch.Tensor]:
+    """Model weights from a ddpjob checkpoint, a Lightning-style {'state_dict': ...} or a plain state dict."""
+    if isinstance(obj, Mapping):
+        for key in ("model", "state_dict", "model_state_dict"):
+            if isinstance(obj.get(key), Mapping):
+                obj = obj[key]
+                break
+    if not isinstance(obj, Mapping) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UsageError(f"{source} holds no model state dict (expected tensors by parameter name)")
+    return strip_prefix(obj)
+
+
+def check_compatible(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raise one UsageError with a line per missing, unexpected or mis-shaped key."""
+    expected = model.state_dict()
+    problems = [f"missing key {k}" for k in expected if k not in state]
+    problems += [f"unexpected key {k}" for k in state if k not in expected]
+    problems += [
+        f"shape mismatch for {k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise UsageError(
+            f"{source} does not fit the model ({len(problems)} problems; wrong --model?):\n  " + "\n  ".join(shown)
+        )
+
+
+def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> nn.Module:
+    """Load state into model. A model built on the meta device takes the tensors as they are
+    (``assign=True``: no second copy); any other model copies them in."""
+    check_compatible(model, state, source)
+    on_meta = any(t.is_meta for t in model.state_dict().values())
+    model.load_state_dict(state, assign=on_meta)
+    return model
+
+
+class _Slot(NamedTuple):
+    """Where a tensor sat in a broadcast state: its shape and dtype, and which tensor it is (tensors
+    that share memory, such as tied weights, share one slot)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tensor_id: int
+
+
+def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two tensors that are the same view of the same memory (tied weights)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every tensor (or _Slot) leaf of its dicts, lists and tuples mapped by ``fn``;
+    dicts keep their type and attributes, named tuples are left as they are."""
+    if isinstance(obj, torch.Tensor | _Slot):
+        return fn(obj)
+    if isinstance(obj, dict):  # an OrderedDict keeps its type and attributes (state dict _metadata)
+        out = type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+        if hasattr(obj, "__dict__"):
+            out.__dict__.update(obj.__dict__)
+        return out
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def broadcast(state: Any, group: Any) -> Any:
+    """Rank 0's loaded state on every rank (``--load-mode rank0``: no shared filesystem), in host
+    memory, over ``group`` (a gloo group).
+
+    The structure and small values travel pickled; each tensor's bytes go by ``dist.broadcast``
+    straight from rank 0's memory-mapped file into a tensor allocated once on the receiver, so no
+    rank holds more than one copy. Tensors that share memory on rank 0 share it everywhere.
+    """
+    import torch.distributed as dist
+
+    tensors: list[torch.Tensor] = []
+    slots: dict[tuple[Any, ...], _Slot] = {}
+
+    def to_slot(t: torch.Tensor) -> _Slot:
+        key = storage_key(t)
+        if key not in slots:
+            slots[key] = _Slot(tuple(t.shape), t.dtype, len(tensors))
+            tensors.append(t)
+        return slots[key]
+
+    main = dist.get_rank() == 0
+    box = [map_tensors(state, to_slot) if main else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    received: dict[int, torch.Tensor] = {}
+
+    def fill(slot: _Slot) -> torch.Tensor:
+        if slot.tensor_id not in received:
+            tensor = tensors[slot.tensor_id] if main else torch.empty(slot.shape, dtype=slot.dtype)
+            dist.broadcast(tensor.detach().contiguous().reshape(-1).view(torch.uint8), src=0, group=group)
+            received[slot.tensor_id] = tensor
+        return received[slot.tensor_id]
+
+    return map_tensors(box[0], fill)
