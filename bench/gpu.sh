@@ -2,7 +2,8 @@
 # The single-GPU benchmark, as one short prepared script for a machine with one NVIDIA GPU:
 # ddpjob train vs the bare DDP loop on an MLP large enough to keep the GPU busy, bf16, with
 # steps/s and GPU memory; plus a GPU smoke test of the dp and none strategies and a resume.
-# Needs torch with CUDA; python-dotenv may come as wheels in .whl/ (see bench/README.md).
+# Needs torch >= 2.12 with CUDA (e.g. the pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime image);
+# python-dotenv may come as wheels in .whl/ (see bench/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ddpjob import optional
+
 
 class Metrics:
     def __init__(
@@ -25,9 +27,8 @@ class Metrics:
         self.file = None
         self.tb: Any = None
         if enabled and tensorboard:  # the same records, as TensorBoard scalars
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(tensorboard)
+            board = optional.require("torch.utils.tensorboard", f"--tensorboard {tensorboard}", "tensorboard")
+            self.tb = board.SummaryWriter(tensorboard)
         self.bar: Any = None
         self.loss_sum: torch.Tensor | None = None
         self.count, self.last_time, self.last_step = 0, time.perf_counter(), 0

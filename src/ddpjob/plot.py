@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ddpjob import optional
 from ddpjob.errors import UsageError
 
 
@@ -52,10 +53,8 @@ STYLES = {"resume": ("tab:orange", "--"), "restart": ("tab:red", ":"), "preempte
 
 
 def plot(run_dir: Path, out: Path | None = None) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    optional.require("matplotlib", "ddpjob plot").use("Agg")
+    plt = optional.require("matplotlib.pyplot", "ddpjob plot")
 
     path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
     records = read_metrics(path)
