@@ -24,7 +24,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests examples $(wildcard bench)
 	$(BIN)/mypy src
 	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/shellcheck slurm/*.sbatch docker/*.sh tests/e2e/*.sh bench/*.sh .ci/run
+	$(BIN)/shellcheck slurm/*.sbatch docker/*.sh tests/e2e/*.sh tests/gpu/*.sh bench/*.sh .ci/run
 
 unit: setup
 	$(BIN)/pytest -q
