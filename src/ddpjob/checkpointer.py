@@ -113,6 +113,12 @@ class Choice:
     identity: str = ""  # content identity of path, to check every rank sees the same
     error: str = ""  # rank 0's error, raised on every rank: UsageError, else (``retriable``) Retriable
     retriable: bool = False
+    in_dir: bool = False  # path is in rank 0's checkpoint dir
+
+    def local(self, directory: Path) -> Path | None:
+        """The chosen path as this rank names it: a checkpoint of rank 0's checkpoint dir is looked
+        up in this rank's own (the same path on shared storage, or a node's local copy)."""
+        return directory / self.path.name if self.path is not None and self.in_dir else self.path
 
 
 @dataclass
@@ -144,9 +150,9 @@ def choose(cfg: Config) -> Choice:
         path, resume = newest, True
     run = format_of(path).run_of(path) if path and resume else uuid.uuid4().hex[:12]
     start = (step_of(path) or 0) if path and resume else 0
-    clash = [p for s, p in complete(directory) if s > start]
+    clash = [(s, p) for s, p in complete(directory) if s > start]
     if clash:
-        names = ", ".join(p.name for p in clash[-1:] + clash[:1]) if len(clash) > 1 else clash[0].name
+        names = f"{clash[-1][1].name} … {clash[0][1].name}" if len(clash) > 1 else clash[0][1].name
         what = f"resuming from {path.name} (step {start})" if path and resume else "a fresh start"
         raise UsageError(
             f"checkpoint dir {directory} holds {len(clash)} later checkpoint(s) ({names}) that {what} would "
@@ -157,7 +163,8 @@ def choose(cfg: Config) -> Choice:
         path = Path(cfg.init_from)
         if not path.exists():
             raise UsageError(f"--init-from {path} does not exist; check the path")
-    return Choice(path, resume, run, format_of(path).identity(path) if path else "")
+    in_dir = path is not None and path.parent.resolve() == directory.resolve()
+    return Choice(path, resume, run, format_of(path).identity(path) if path else "", in_dir=in_dir)
 
 
 def wait_visible(path: Path, identity: str, timeout: float, rank: int) -> None:
@@ -229,14 +236,15 @@ class Checkpointer:
             choice = box[0]
         self._raise(choice.error, choice.retriable)
         self.run = choice.run
-        if choice.path is None:
+        path = choice.local(self.cfg.checkpoint_path)
+        if path is None:
             return None
         rank0_reads = self.cfg.load_mode == "rank0" and self.distributed
         if self.distributed and not rank0_reads:  # every rank sees rank 0's choice, or every rank stops
             error, retriable = "", False
             if not self.env.is_main:
                 try:
-                    wait_visible(choice.path, choice.identity, self.cfg.fs_timeout, self.env.rank)
+                    wait_visible(path, choice.identity, self.cfg.fs_timeout, self.env.rank)
                 except (UsageError, Retriable) as exc:
                     error, retriable = str(exc), isinstance(exc, Retriable)
             outcomes: list[Any] = [None] * self.env.world_size
@@ -244,12 +252,12 @@ class Checkpointer:
             failed = [o for o in outcomes if o[0]]
             if failed:
                 self._raise(error or failed[0][0], any(o[1] for o in failed))
-        if choice.path.is_dir() and choice.resume:
-            return Loaded(None, choice.path, True)
+        if path.is_dir() and choice.resume:
+            return Loaded(None, path, True)
         if rank0_reads:
-            state = self._read(choice) if self.env.is_main else None
-            return Loaded(weights.broadcast(state, self.group), choice.path, choice.resume, identical=True)
-        return Loaded(self._read(choice), choice.path, choice.resume, identical=True)
+            state = self._read(path) if self.env.is_main else None
+            return Loaded(weights.broadcast(state, self.group), path, choice.resume, identical=True)
+        return Loaded(self._read(path), path, choice.resume, identical=True)
 
     def _prepare_dir(self) -> None:
         """Rank 0: take the dir's lock, then remove the temporaries of saves that were killed."""
@@ -264,11 +272,10 @@ class Checkpointer:
             raise Retriable(error) if retriable else UsageError(error)
 
     @staticmethod
-    def _read(choice: Choice) -> Any:
-        assert choice.path is not None
-        if choice.path.is_dir():  # --init-from a DCP folder: its model weights, like any state dict
-            return {"model": sharded.read_model(choice.path, verified=True)}
-        return checkpoint.read(choice.path, verified=True)
+    def _read(path: Path) -> Any:
+        if path.is_dir():  # --init-from a DCP folder: its model weights, like any state dict
+            return {"model": sharded.read_model(path, verified=True)}
+        return checkpoint.read(path, verified=True)
 
     def attach(self, **stateful: Any) -> None:
         self.stateful = stateful
