@@ -98,29 +98,53 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, argv, env, words", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_line_and_exit_2(name, argv, env, words, tmp_path, monkeypatch, capsys):
+def run_case(argv, env, directory, monkeypatch, capsys):
+    """cli.main(argv) in `directory` (holding make_files' files) with exactly `env` for the job:
+    (exit code, stderr, the files before, the files after)."""
     for key in [k for k in os.environ if k.startswith(("DDPJOB_", "SLURM_", "PET_")) or k in DIST or k == "LOCAL_RANK"]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.chdir(tmp_path)
-    make_files(tmp_path)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
-
+    monkeypatch.chdir(directory)
+    make_files(directory)
+    before = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    capsys.readouterr()
     code = cli.main(argv)
+    after = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    return code, capsys.readouterr().err, before, after
 
-    err = capsys.readouterr().err
+
+def error_lines(err):
+    return [re.sub(r"^\[node \d+ rank \d+\] ", "", line) for line in err.strip().splitlines()]  # distributed
+
+
+@pytest.mark.parametrize("name, argv, env, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line_and_exit_2(name, argv, env, words, tmp_path, monkeypatch, capsys):
+    code, err, before, after = run_case(argv, env, tmp_path, monkeypatch, capsys)
+
     assert code == 2, err
     assert "Traceback" not in err
-    lines = [re.sub(r"^\[node \d+ rank \d+\] ", "", line) for line in err.strip().splitlines()]  # distributed
+    lines = error_lines(err)
     assert lines[0].startswith("ddpjob: error: ")
     if "does not fit" not in err:  # a mismatch lists one problem per line
         assert len(lines) == 1, err
     for word in words:
         assert word in err
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # nothing overwritten
+    assert after == before  # nothing overwritten
 
 
-def test_the_table_covers_at_least_twenty_inputs():
+def test_each_bad_input_is_caught_by_a_check_of_its_own(tmp_path, monkeypatch, capsys):
+    """Twenty or more kinds of bad input, and each one is stopped by a different check: its own
+    message, naming what it is about. A check that stops catching its input lets that input through
+    to a later, more generic error (or none), and two rows then share a message, or one fails."""
+    messages = {}
+    for name, argv, env, words in CASES:
+        with monkeypatch.context() as patch:
+            (tmp_path / name).mkdir()
+            code, err, _, _ = run_case(argv, env, tmp_path / name, patch, capsys)
+        first = error_lines(err)[0] if err.strip() else ""
+        assert code == 2 and words[0] in first, f"{name}: exit {code}: {err[-500:]}"
+        messages[name] = first
     assert len(CASES) >= 20
+    shared = {m: [n for n in messages if messages[n] == m] for m in set(messages.values())}
+    assert len(shared) == len(CASES), {m: n for m, n in shared.items() if len(n) > 1}

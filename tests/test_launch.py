@@ -4,6 +4,7 @@ import base64
 import datetime
 import os
 import pickle
+import re
 import socket
 
 import pytest
@@ -142,9 +143,13 @@ def test_launch_runs_two_nodes_on_loopback(work):
 
 @pytest.mark.slow
 def test_launch_exits_with_the_workers_bad_input_code(work):
-    proc = ddpjob(["launch", "--model", "no.such.module:model"], work)
+    # launch imports the factory before it starts anything, but only the workers call it: that the
+    # callable returns no nn.Module is found by each worker, which exits 2, and launch passes it on.
+    proc = ddpjob(["launch", "--nproc-per-node", "2", "--model", "ddpjob.plugins:digits"], work)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "cannot import 'no.such.module'" in proc.stderr
+    for rank in (0, 1):
+        assert f"[node 0 rank {rank}] ddpjob: error: model factory 'ddpjob.plugins:digits' returned" in proc.stderr
+    assert re.search(r"launch: node 0 \(.*\): worker rank \d exited with 2$", proc.stderr, re.M), proc.stderr[-2000:]
 
 
 def _stored(state: object) -> bytes:

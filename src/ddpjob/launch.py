@@ -21,11 +21,14 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import FrameType
+from typing import Any
 
 from ddpjob import config, doctor
 from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
@@ -249,14 +252,94 @@ def main(argv: Sequence[str]) -> int:
     if not doctor.report(doctor.run(cfg, plan, brief=True), brief=True):
         raise UsageError("preflight check failed (see the fix above); `ddpjob doctor` shows every check")
     record_attempt(cfg, plan, event="start")
-    code, reason = run_torchrun(cmd, plan, cfg.rdzv_timeout)
+    code, reason = run_torchrun(cmd, plan, cfg.rdzv_timeout, cfg.shutdown_timeout)
     record_attempt(cfg, plan, event="end", exit_code=code, reason=reason)
     if code:
         print(f"[ddpjob] launch: node {node_name(plan)}: {reason}", file=sys.stderr, flush=True)
     return code
 
 
-def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float) -> tuple[int, str]:
+class StopSignals:
+    """Launch's side of a stop signal, while torchrun's agent runs in this process.
+
+    The agent's handler raises ``SignalException`` for every handled signal, also while the agent
+    waits for its workers to stop after the first one. Slurm signals every process of a step
+    (``scancel``, preemption), train.sbatch forwards TERM again and a preemption follows USR1, so a
+    later signal would end launch (and, through the workers' watch on their parent, the workers)
+    before they had checkpointed. Here only the first signal raises, as torchrun expects: the agent
+    forwards it and waits up to --shutdown-timeout, then SIGKILLs. Later ones are counted, also
+    after torchrun has returned (a late TERM must not turn launch's 75 into a death by signal). The
+    exit code then comes from the workers: 75 only when every one of them exited 75 (checkpointed).
+    """
+
+    def __init__(self, shutdown_timeout: float) -> None:
+        self.shutdown_timeout = shutdown_timeout
+        self.first: signal.Signals | None = None
+        self.count = 0
+        self.done = False  # torchrun has returned
+        self.pcontext: Any = None  # the agent's latest worker processes (a torch PContext)
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.count += 1
+        if self.first is None and not self.done:
+            self.first = signal.Signals(signum)
+            raise SignalException(f"Process {os.getpid()} got signal: {self.first}", sigval=self.first)
+
+    @contextlib.contextmanager
+    def installed(self, names: str) -> Iterator[None]:
+        """Our handler for `names` now (a signal during rendezvous is a stop too) and wherever the
+        agent installs its own; the agent's worker processes recorded as it starts them."""
+        from torch.distributed.elastic.agent.server import local_elastic_agent
+        from torch.distributed.elastic.multiprocessing import api
+
+        original_handler, original_start = api._terminate_process_handler, local_elastic_agent.start_processes
+
+        def start_processes(*args: Any, **kwargs: Any) -> Any:
+            self.pcontext = original_start(*args, **kwargs)
+            return self.pcontext
+
+        for name in names.split(","):
+            signal.signal(getattr(signal, name), self.handle)
+        api._terminate_process_handler, local_elastic_agent.start_processes = self.handle, start_processes
+        try:
+            yield
+        finally:
+            api._terminate_process_handler, local_elastic_agent.start_processes = original_handler, original_start
+            self.done = True
+
+    def exit_codes(self) -> dict[int, int | None] | None:
+        """Local rank -> the worker's exit code (None: still running or unknown); None: no workers."""
+        handlers = getattr(self.pcontext, "subprocess_handlers", None)
+        if not handlers:
+            return None
+        return {rank: handler.proc.poll() for rank, handler in sorted(handlers.items())}
+
+    def outcome(self, sig: signal.Signals) -> tuple[int, str]:
+        got = sig.name + (
+            f" (and {self.count - 1} more stop signals while the workers stopped)" if self.count > 1 else ""
+        )
+        codes = self.exit_codes()
+        if codes is None:
+            return EXIT_PREEMPTED, f"got {got} before any worker started; nothing to checkpoint (exit {EXIT_PREEMPTED})"
+        failed = {rank: code for rank, code in codes.items() if code != EXIT_PREEMPTED}
+        if not failed:
+            return EXIT_PREEMPTED, f"got {got}; workers checkpointed and stopped (exit {EXIT_PREEMPTED})"
+        rank, raw = next(iter(failed.items()))
+        code = EXIT_FAILED if raw is None else raw if raw >= 0 else 128 - raw
+        why = (
+            f"it was killed: it did not stop within --shutdown-timeout ({self.shutdown_timeout:g} s)"
+            if raw == -signal.SIGKILL
+            else "its log says why"
+        )
+        return code, (
+            f"got {got}; worker local rank {rank} exited with {code}, not {EXIT_PREEMPTED} (checkpointed): {why}; "
+            f"exit codes by local rank: {', '.join(str(c) for c in codes.values())}"
+        )
+
+
+def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float, shutdown_timeout: float = 30) -> tuple[int, str]:
     """Run torchrun in this process; (exit code, reason in one line)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -265,15 +348,16 @@ def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float) -> tuple[int, 
 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # elastic restarts after a SIGKILLed worker
     watch = RendezvousWatch(plan.endpoint, plan.rdzv_id, plan.nnodes, rdzv_timeout)
+    stops = StopSignals(shutdown_timeout)
     try:
-        with watch if plan.endpoint else contextlib.nullcontext():
+        with stops.installed(HANDLED_SIGNALS), watch if plan.endpoint else contextlib.nullcontext():
             torchrun.run(torchrun.parse_args(cmd))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         return code, f"worker rank {rank} exited with {code}"
     except SignalException as exc:
-        return EXIT_PREEMPTED, f"got {exc.sigval.name}; workers checkpointed and stopped (exit {EXIT_PREEMPTED})"
+        return stops.outcome(exc.sigval)
     except RendezvousError as exc:
         detail = first_line(exc)
         return EXIT_FAILED, (
