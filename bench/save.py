@@ -2,7 +2,8 @@
 
 One process, a synthetic MLP of about 1 GiB fp32 with AdamW state (so each checkpoint is about
 3 GiB), ddpjob's own Checkpointer, both formats (one .pt file; a DCP folder). Median of
---repeats saves each.
+--repeats saves each. Async saves copy the state into host buffers kept between saves (one extra
+host copy of the state) and write from a thread; the first save also allocates those buffers.
     python bench/save.py [--repeats 3] [--width 8192] [--depth 5]
 """
 
@@ -17,7 +18,8 @@ from common import median, table
 from ddpjob.config import Config
 from ddpjob.distenv import DistEnv
 from ddpjob.plugins import synthetic_mlp
-from ddpjob.train import Checkpointer, Progress
+from ddpjob.checkpointer import Checkpointer
+from ddpjob.train import Progress
 
 
 def main() -> None:
@@ -39,11 +41,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
             cfg = Config(checkpoint_dir=tmp, keep=1, save_mode=mode, checkpoint_format=fmt)
             stateful = dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=Progress())
-            ckpt = Checkpointer(cfg, env, **stateful)
+            ckpt = Checkpointer(cfg, env)
+            ckpt.attach(**stateful)
             block, total = [], []
             for step in range(1, a.repeats + 1):
                 start = time.perf_counter()
-                ckpt.save(step)
+                ckpt.save(step, 0)
                 block.append(time.perf_counter() - start)
                 ckpt.wait()  # until the file is on disk
                 total.append(time.perf_counter() - start)
