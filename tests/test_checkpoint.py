@@ -250,3 +250,30 @@ def test_rank0_broadcast_gives_every_rank_the_same_state_tensor_by_tensor(tmp_pa
     for a, b in pairs:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert got["extra"][0][1] == "t" and isinstance(got["extra"][0], tuple)
+
+
+def test_an_existing_dcp_folder_is_replaced_whole_and_nothing_is_left_aside(tmp_path):
+    from ddpjob import fsutil
+
+    final, tmp = tmp_path / "step-1", tmp_path / ".step-1.tmp"
+    for folder, content in ((final, b"old"), (tmp, b"new")):
+        folder.mkdir()
+        (folder / "data").write_bytes(content)
+    fsutil.replace_folder(tmp, final)
+    assert (final / "data").read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["step-1"]
+
+
+def test_each_rank_is_bound_to_its_local_gpu_before_anything_touches_cuda(monkeypatch):
+    """On 8 GPUs per node, local rank 5 must make cuda:5 current, or NCCL's object collectives and
+    pinned memory land on cuda:0. (Stand-ins for torch.cuda: no GPU here; the GPU check runs it.)"""
+    from ddpjob import train
+    from ddpjob.config import Config
+    from ddpjob.distenv import DistEnv
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    env = DistEnv(13, 5, 16, 8, 1, "node-a", 29500, "torchrun")
+    device = train.pick_device(Config(device="cuda"), env)
+    assert device == torch.device("cuda", 5) and current == [device]
