@@ -61,9 +61,11 @@ def test_file_and_dcp_convert_both_ways_without_change(work):
 
 
 def test_async_and_sync_saves_write_identical_loadable_checkpoints(work):
+    """Async saves write from a thread beside the heartbeat thread and DataLoader worker processes."""
     args = ["--epochs", "2", "--max-steps", "30", "--save-every", "10", "--log-every", "1000", "--keep", "5"]
-    for mode in ("sync", "async"):
-        ok(torchrun([*args, "--save-mode", mode, "--run-dir", mode], work))
+    ok(torchrun([*args, "--save-mode", "sync", "--run-dir", "sync"], work))
+    busy = ["--heartbeat", "0.2", "--num-workers", "2"]
+    ok(torchrun([*args, *busy, "--save-mode", "async", "--run-dir", "async"], work))
     for step in (10, 20, 30):
         sync, async_ = (checkpoint.read(work / m / f"checkpoints/step-{step}.pt") for m in ("sync", "async"))
         assert_bitwise_equal(sync["model"], async_["model"])
@@ -71,6 +73,7 @@ def test_async_and_sync_saves_write_identical_loadable_checkpoints(work):
             for i, state in sync["optimizer"]["state"].items():
                 assert torch.equal(state[key], async_["optimizer"]["state"][i][key])
         assert sync["progress"] == async_["progress"] and sync["step"] == async_["step"] == step
+        assert sync["epoch"] == async_["epoch"] == sync["progress"]["epoch"]  # top level, as the format says
     assert_bitwise_equal(final_params(work / "sync"), final_params(work / "async"))
 
 
