@@ -20,14 +20,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpjob import checkpoint, checksum, sharded
+from ddpjob import checkpoint, checksum, sharded, weights
 from ddpjob.plugins import synthetic_mlp
 from ddpjob.train import build
-
-try:
-    from ddpjob import weights  # model_state and broadcast, since the checkpoint layer's split
-except ImportError:  # before it they lived in ddpjob.checkpoint (broadcast's 2nd argument: None works for both)
-    weights = checkpoint  # type: ignore[assignment]
 
 
 def status_gib(key: str) -> float:
