@@ -152,6 +152,46 @@ def test_launch_exits_with_the_workers_bad_input_code(work):
     assert re.search(r"launch: node 0 \(.*\): worker rank \d exited with 2$", proc.stderr, re.M), proc.stderr[-2000:]
 
 
+class _Proc:
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+@pytest.mark.parametrize(
+    "codes, expected, words",
+    [
+        (None, 75, "before any worker started"),
+        ([75, 75], 75, "workers checkpointed and stopped"),
+        (
+            [3, 1],
+            3,
+            "worker local rank 0 exited with 3, not 75 (checkpointed): its log says why; exit codes by local rank: 3, 1",
+        ),
+        (
+            [75, -9],
+            137,
+            "rank 1 exited with 137, not 75 (checkpointed): SIGKILL: it did not stop within --shutdown-timeout (7 s)",
+        ),
+        ([75, -15], 143, "exit codes by local rank: 75, 143"),
+        ([0, 0], 0, "as the workers finished"),
+    ],
+)
+def test_after_a_stop_signal_launch_reports_what_the_workers_did(codes, expected, words):
+    import signal
+    from types import SimpleNamespace
+
+    stops = launch.StopSignals(shutdown_timeout=7)
+    stops.count = 2
+    if codes is not None:
+        handlers = {rank: SimpleNamespace(proc=_Proc(code)) for rank, code in enumerate(codes)}
+        stops.pcontext = SimpleNamespace(subprocess_handlers=handlers)
+    code, reason = stops.outcome(signal.SIGTERM)
+    assert code == expected and words in reason and reason.startswith("got SIGTERM (and 1 more stop signals"), reason
+
+
 def _stored(state: object) -> bytes:
     """The value torch's c10d rendezvous backend keeps in the store: base64 of a pickle."""
     return base64.b64encode(pickle.dumps(state))

@@ -323,19 +323,22 @@ class StopSignals:
         codes = self.exit_codes()
         if codes is None:
             return EXIT_PREEMPTED, f"got {got} before any worker started; nothing to checkpoint (exit {EXIT_PREEMPTED})"
-        failed = {rank: code for rank, code in codes.items() if code != EXIT_PREEMPTED}
-        if not failed:
+        failed = {rank: code for rank, code in codes.items() if code not in (EXIT_PREEMPTED, 0)}
+        if not failed and EXIT_PREEMPTED in codes.values():
             return EXIT_PREEMPTED, f"got {got}; workers checkpointed and stopped (exit {EXIT_PREEMPTED})"
+        if not failed:
+            return 0, f"got {got} as the workers finished (exit 0)"
+        shown = {rank: "running" if c is None else str(c if c >= 0 else 128 - c) for rank, c in codes.items()}
         rank, raw = next(iter(failed.items()))
         code = EXIT_FAILED if raw is None else raw if raw >= 0 else 128 - raw
         why = (
-            f"it was killed: it did not stop within --shutdown-timeout ({self.shutdown_timeout:g} s)"
+            f"SIGKILL: it did not stop within --shutdown-timeout ({self.shutdown_timeout:g} s), or the OOM killer"
             if raw == -signal.SIGKILL
             else "its log says why"
         )
         return code, (
-            f"got {got}; worker local rank {rank} exited with {code}, not {EXIT_PREEMPTED} (checkpointed): {why}; "
-            f"exit codes by local rank: {', '.join(str(c) for c in codes.values())}"
+            f"got {got}; worker local rank {rank} exited with {shown[rank]}, not {EXIT_PREEMPTED} (checkpointed): "
+            f"{why}; exit codes by local rank: {', '.join(shown.values())}"
         )
 
 
