@@ -352,8 +352,23 @@ def test_node_losing_its_network_fails_every_rank_within_the_collective_timeout(
 
 
 def test_metrics_and_attempts_append_across_restarts(work):
-    for _ in range(2):
-        ok(ddpjob(["launch", "--epochs", "1", "--log-every", "1000", "--resume", "never"], work))
+    for attempt in range(2):  # two fresh starts of one run dir, each with a checkpoint dir of its own
+        ok(
+            ddpjob(
+                [
+                    "launch",
+                    "--epochs",
+                    "1",
+                    "--log-every",
+                    "1000",
+                    "--resume",
+                    "never",
+                    "--checkpoint-dir",
+                    f"ck{attempt}",
+                ],
+                work,
+            )
+        )
     attempts = [json.loads(ln) for ln in (work / "runs/ddpjob/attempts.jsonl").read_text().splitlines()]
     assert [a["event"] for a in attempts] == ["start", "end", "start", "end"]
     assert all(a["exit_code"] == 0 and a["reason"] == "finished" for a in attempts if a["event"] == "end")

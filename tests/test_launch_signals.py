@@ -158,11 +158,6 @@ if "LOCAL_RANK" in os.environ:  # the workers, not launch
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="train.py's finally restores SIG_DFL for the stop signals (StopSignal.restore_defaults), so a stop "
-    "signal that arrives after the checkpoint kills the worker (exit 143 instead of 75); see the issue 10 note",
-)
 def test_a_stop_signal_after_the_checkpoint_does_not_kill_the_worker(work, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(LATE_SIGNAL)

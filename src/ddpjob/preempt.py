@@ -65,10 +65,13 @@ class StopSignal:
             self.pending.wait()
             self.pending = None
 
-    @staticmethod
-    def restore_defaults() -> None:
+    def settle(self) -> None:
+        """After the loop. Once a stop is under way, a later stop signal (Slurm signals every
+        process of the step, and the batch script forwards TERM again) is the same request: it is
+        ignored, so it cannot kill a worker that has checkpointed and is exiting 75. Otherwise the
+        default actions come back."""
         for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if self.received else signal.SIG_DFL)
 
 
 def exit_with_parent(interval: float = 1.0) -> None:

@@ -345,7 +345,7 @@ def train(
         raise
     finally:
         metrics.close(step=progress.step, exit_code=exit_code)
-        StopSignal.restore_defaults()
+        stop.settle()
         gc.unfreeze()
         if heartbeat:
             heartbeat.set()
