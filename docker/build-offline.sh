@@ -10,10 +10,11 @@ cd "$(dirname "$0")/.."
 tag=${1:-ddpjob:cpu}
 base=${2:-python:3.11-slim-bookworm}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
+dumb_init=dumb-init==1.2.5.post1  # the pods' init (k8s/); keep equal to docker/install.sh's
 pip=${PIP:-python3 -m pip}
 mkdir -p wheelhouse
 rm -f wheelhouse/ddpjob-*.whl  # always this checkout's code
 # shellcheck disable=SC2086  # $pip and the torch spec may be several words
-$pip wheel --quiet --wheel-dir wheelhouse $torch_spec .
+$pip wheel --quiet --wheel-dir wheelhouse $torch_spec "$dumb_init" .
 DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} docker build --file docker/Dockerfile --tag "$tag" \
     --build-arg BASE_IMAGE="$base" --build-arg TORCH_SPEC="$torch_spec" .

@@ -1,5 +1,6 @@
-"""Kubernetes manifests: each variant renders with kustomize and validates against the official
-schemas (and the Kubeflow / JobSet CRD schemas); security and failure policies are as documented."""
+"""Kubernetes manifests (and compose.yaml's security settings): each variant renders with kustomize
+and validates against the official schemas (and the Kubeflow / JobSet CRD schemas); security,
+network and failure policies are as documented."""
 
 import shutil
 import subprocess
@@ -14,6 +15,12 @@ REPO = Path(__file__).resolve().parents[1]
 K8S_VERSION = "1.33.0"
 VARIANTS = ["overlays/cpu", "overlays/gpu", "kubeflow", "jobset"]
 CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "JobSet": "jobset.x-k8s.io_jobsets.yaml"}
+# The label each controller puts on every pod of a workload, with the workload's name as its value.
+POD_LABEL = {
+    "Job": "batch.kubernetes.io/job-name",
+    "JobSet": "jobset.sigs.k8s.io/jobset-name",
+    "PyTorchJob": "training.kubeflow.org/job-name",
+}
 
 
 def render(variant: str) -> list[dict]:
@@ -98,7 +105,59 @@ def test_schema_validation_rejects_a_broken_manifest():
     job["spec"]["completionMode"] = 7
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
-    pytorchjob = render("kubeflow")[-1]
+    pytorchjob = next(o for o in render("kubeflow") if o["kind"] == "PyTorchJob")
     pytorchjob["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(pytorchjob, crd_schema("PyTorchJob", "v1"))
+    policy = next(o for o in render("overlays/cpu") if o["kind"] == "NetworkPolicy")
+    policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabel"] = {}  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_get_no_service_account_token_and_no_host_namespaces(variant):
+    pods = [p for obj in render(variant) for p in pod_specs(obj)]
+    assert pods
+    for pod in pods:
+        assert pod["automountServiceAccountToken"] is False
+        assert not any(pod.get(key) for key in ("hostNetwork", "hostPID", "hostIPC"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_run_launch_under_an_init_that_reaps_zombies(variant):
+    pods = [p for obj in render(variant) for p in pod_specs(obj)]
+    for pod in pods:
+        (container,) = pod["containers"]
+        command = container["command"]
+        assert command[0] == "dumb-init" and command[-3:] == ["--", "ddpjob", "launch"], command
+        assert "--single-child" in command  # SIGTERM goes to launch, which stops its workers in order
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_network_policy_lets_only_the_jobs_own_pods_in(variant):
+    objects = render(variant)
+    (workload,) = [o for o in objects if o["kind"] in POD_LABEL]
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    own_pods = {"matchLabels": {POD_LABEL[workload["kind"]]: workload["metadata"]["name"]}}
+    spec = policy["spec"]
+    assert spec["podSelector"] == own_pods  # it applies to the job's pods (and only them)
+    assert "Ingress" in spec["policyTypes"]
+    assert spec["ingress"], "an empty ingress list would shut the pods off from each other"
+    for rule in spec["ingress"]:
+        # every rule names its sources: no rule without `from` (that admits everyone), no
+        # namespaceSelector or ipBlock, only the job's own pods
+        assert rule["from"] == [{"podSelector": own_pods}], rule
+    if workload["kind"] == "Job":  # the headless Service that names the pods selects the same pods
+        service = next(o for o in objects if o["kind"] == "Service")
+        assert service["spec"]["selector"] == own_pods["matchLabels"]
+
+
+def test_compose_drops_capabilities_forbids_new_privileges_and_runs_an_init():
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    for name, service in compose["services"].items():
+        assert service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"], name
+        assert service["init"] is True, name
+        assert not service.get("privileged") and not service.get("cap_add"), name
+        assert "ports" not in service, f"{name}: the rendezvous port must stay on the private compose network"

@@ -67,6 +67,28 @@ def test_compose_stack_exits_with_the_jobs_status_on_bad_input(tmp_path, docker_
     assert "DDPJOB_BATCH_SIZE='zero' is not an integer" in proc.stdout + proc.stderr
 
 
+def test_compose_nodes_run_under_an_init_without_capabilities_or_new_privileges(tmp_path, docker_env):
+    """compose.yaml's init, cap_drop and no-new-privileges, as the node's processes see them."""
+    cmd = compose_project(tmp_path, "ddpjob-e2e-sec", "DDPJOB_NNODES=1\n")
+    env = {**docker_env, "COMPOSE_PROJECT_NAME": "ddpjob-e2e-sec"}
+    probe = "tr '\\0' ' ' < /proc/1/cmdline; echo; grep -E '^(CapEff|CapBnd|NoNewPrivs):' /proc/self/status"
+    try:
+        proc = subprocess.run(
+            [*cmd, "run", "--rm", "--entrypoint", "sh", "node", "-c", probe],  # ddpjob:cpu is there: no build
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        subprocess.run([*cmd, "down", "--volumes", "--timeout", "5"], env=env, capture_output=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid1, *status = proc.stdout.strip().splitlines()
+    assert "docker-init" in pid1  # PID 1 reaps zombies and forwards signals; ddpjob is its child
+    fields = dict(line.split(":\t") for line in status)
+    assert fields == {"CapEff": "0000000000000000", "CapBnd": "0000000000000000", "NoNewPrivs": "1"}, fields
+
+
 def test_containers_run_as_a_non_root_user(docker_env):
     proc = subprocess.run(
         ["docker", "run", "--rm", "--entrypoint", "id", IMAGE, "-u"],

@@ -1,8 +1,8 @@
 """Runs the rendered Kubernetes Indexed Job's pods as containers on a real Docker engine, doing
 what the kubelet and the headless Service would: one container per completion index with
 JOB_COMPLETION_INDEX, hostname <job>-<index>, DNS name <job>-<index>.<service>, the pod's env,
-args, user, capabilities, read-only root, /dev/shm and the checkpoint volume. No API server exists
-here, so this emulates the kubelet; the job must complete."""
+command (dumb-init as PID 1), args, user, capabilities, read-only root, /dev/shm and the checkpoint
+volume. No API server exists here, so this emulates the kubelet; the job must complete."""
 
 import subprocess
 
@@ -68,7 +68,10 @@ def docker_run_args(job: dict, index: int, network: str, volume: str) -> list[st
             args += ["--tmpfs", f"{path}:uid={psc['runAsUser']}"]
     for key, value in env.items():
         args += ["-e", f"{key}={value}"]
-    return [*args, container["image"], *container.get("args", [])]
+    command = container.get("command", [])  # replaces the image's ENTRYPOINT, as in a pod
+    if command:
+        args += ["--entrypoint", command[0]]
+    return [*args, container["image"], *command[1:], *container.get("args", [])]
 
 
 def test_indexed_job_pods_complete_when_run_as_the_kubelet_would(docker_env):
