@@ -173,24 +173,45 @@ def test_the_previous_attempts_time_wait_is_not_a_collision():
     assert not launch.port_in_use(port)
 
 
-# slurm/train.sbatch itself, with a stand-in srun (a node's launch: exits 75 on a stop signal, as
-# workers that checkpointed do) and scontrol (records its arguments), and the real `ddpjob config`.
-FAKE_SRUN = """#!/bin/bash
+# slurm/train.sbatch itself, with stand-ins for srun, its step and scancel that behave as Slurm's
+# do: srun passes USR1 on to the step but answers TERM by killing the step (SIGKILL, "forcing job
+# termination"); `scancel --signal=SIG JOB` signals the step's processes; the step is a node's
+# launch, which exits 75 on a stop signal, as workers that checkpointed do. scontrol records its
+# arguments. `ddpjob config` is the real one.
+FAKES = {
+    "srun": """#!/bin/bash
 env > "$LOG_DIR/srun.env"
-stop() { echo "srun got $1" >> "$LOG_DIR/srun.log"; exit "${SRUN_EXIT:-75}"; }
+echo "srun $*" >> "$LOG_DIR/srun.log"
+step &
+pid=$!
+trap 'kill -s USR1 $pid' USR1
+trap 'echo "srun got TERM: forcing job termination" >> "$LOG_DIR/srun.log"; kill -s KILL $pid' TERM
+while :; do wait $pid; rc=$?; kill -0 $pid 2>/dev/null || exit $rc; done
+""",
+    "step": """#!/bin/bash
+stop() { echo "step got $1" >> "$LOG_DIR/srun.log"; exit "${STEP_EXIT:-75}"; }
 trap 'stop TERM' TERM
 trap 'stop USR1' USR1
-echo "srun $*" >> "$LOG_DIR/srun.log"
+echo $$ > "$LOG_DIR/step.pid"
 for _ in $(seq 300); do sleep 0.1; done
-"""
+""",
+    "scancel": """#!/bin/bash
+echo "scancel $*" >> "$LOG_DIR/scancel.log"
+kill -s "${1#--signal=}" "$(cat "$LOG_DIR/step.pid")"
+""",
+    "scontrol": """#!/bin/bash
+echo "scontrol $*" >> "$LOG_DIR/scontrol.log"
+""",
+}
 
 
 def run_sbatch(tmp_path, sig, **env):
+    """Run the batch script until its step runs, send it `sig`; (exit code, output, logs by name)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    fake_scontrol(bin_dir, 'echo "scontrol $*" >> "$LOG_DIR/scontrol.log"\n')
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
+    for name, script in FAKES.items():
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("DDPJOB_", "SLURM_", "MASTER_"))}
     job_env = {
         **base,
@@ -212,50 +233,65 @@ def run_sbatch(tmp_path, sig, **env):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    srun_log = tmp_path / "srun.log"
     deadline = time.monotonic() + 60
-    while not (srun_log.is_file() and "srun " in srun_log.read_text()):
+    while not (tmp_path / "step.pid").is_file():
         assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "the batch script never started srun"
+        assert time.monotonic() < deadline, "the batch script never started its step"
         time.sleep(0.05)
     time.sleep(0.2)  # the script is in its wait loop now
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
-    scontrol = tmp_path / "scontrol.log"
-    return proc.returncode, out, srun_log.read_text(), scontrol.read_text() if scontrol.is_file() else ""
+    logs = {
+        name: (tmp_path / f"{name}.log").read_text() if (tmp_path / f"{name}.log").is_file() else "" for name in FAKES
+    }
+    return proc.returncode, out, logs
 
 
 def test_an_array_task_requeues_itself_not_the_whole_array(tmp_path):
     # The first task of an array to start has the array's own job id: `scontrol requeue 100` would
     # requeue every task of array 100.
-    code, out, srun, scontrol = run_sbatch(tmp_path, signal.SIGUSR1, SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="3")
-    assert "srun got USR1" in srun
-    assert scontrol.splitlines() == ["scontrol requeue 100_3"], out
+    code, out, logs = run_sbatch(tmp_path, signal.SIGUSR1, SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="3")
+    assert "step got USR1" in logs["srun"]
+    assert logs["scontrol"].splitlines() == ["scontrol requeue 100_3"], out
     assert code == 75 and "requeueing job 100_3" in out
 
 
-def test_term_is_forwarded_and_ends_the_job_without_a_requeue(tmp_path):
-    code, out, srun, scontrol = run_sbatch(tmp_path, signal.SIGTERM)
-    assert "srun got TERM" in srun and "got TERM, forwarding" in out
-    assert code == 75 and scontrol == ""
+def test_term_reaches_the_step_through_scancel_not_through_srun(tmp_path):
+    """srun would SIGKILL the step on TERM: no checkpoint, exit 137. Through scancel the workers stop
+    with a checkpoint (75), and the job ends without a requeue."""
+    code, out, logs = run_sbatch(tmp_path, signal.SIGTERM)
+    assert logs["scancel"].splitlines() == ["scancel --signal=TERM 100"]
+    assert "step got TERM" in logs["srun"] and "forcing job termination" not in logs["srun"]
+    assert code == 75 and logs["scontrol"] == "" and "got TERM, forwarding" in out
+
+
+def test_term_in_an_array_task_goes_to_this_task_only(tmp_path):
+    code, _, logs = run_sbatch(tmp_path, signal.SIGTERM, SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="3")
+    assert logs["scancel"].splitlines() == ["scancel --signal=TERM 100_3"] and code == 75
+
+
+def test_no_kill_on_bad_exit_so_the_first_nodes_75_does_not_kill_the_others(tmp_path):
+    _, _, logs = run_sbatch(tmp_path, signal.SIGUSR1)
+    srun_line = logs["srun"].splitlines()[0]
+    assert "--kill-on-bad-exit=0" in srun_line and "--wait=" in srun_line
 
 
 def test_requeue_on_term_for_clusters_that_never_send_usr1(tmp_path):
-    code, out, srun, scontrol = run_sbatch(tmp_path, signal.SIGTERM, DDPJOB_REQUEUE_ON_TERM="1")
-    assert "srun got TERM" in srun
-    assert scontrol.splitlines() == ["scontrol requeue 100"], out
+    code, out, logs = run_sbatch(tmp_path, signal.SIGTERM, DDPJOB_REQUEUE_ON_TERM="1")
+    assert "step got TERM" in logs["srun"]
+    assert logs["scontrol"].splitlines() == ["scontrol requeue 100"], out
     assert code == 75
 
 
 def test_no_requeue_when_the_workers_did_not_checkpoint(tmp_path):
-    code, out, _, scontrol = run_sbatch(tmp_path, signal.SIGUSR1, SRUN_EXIT="1")
-    assert code == 1 and scontrol == ""
+    code, out, logs = run_sbatch(tmp_path, signal.SIGUSR1, STEP_EXIT="1")
+    assert code == 1 and logs["scontrol"] == ""
     assert "not requeueing job 100: the workers exited with 1" in out
 
 
 def test_the_batch_scripts_own_settings_do_not_reach_ddpjob(tmp_path):
     """ddpjob rejects DDPJOB_* keys it does not know; DDPJOB_VENV & co. are the script's, not ddpjob's."""
-    code, out, _, _ = run_sbatch(
+    code, out, _ = run_sbatch(
         tmp_path, signal.SIGTERM, DDPJOB_REQUEUE_ON_TERM="0", DDPJOB_APPTAINER="", DDPJOB_PYXIS_IMAGE=""
     )
     assert code == 75, out  # `ddpjob config` ran first and accepted the environment

@@ -4,17 +4,20 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from ddpjob import launch
+from ddpjob.distenv import expand_hostlist
 from e2e import REPO, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
-def sbatch(env, *args):
+def sbatch(env, *args, options=()):
     out = subprocess.run(
-        ["sbatch", "--parsable", "slurm/train.sbatch", *args],
+        ["sbatch", "--parsable", *options, "slurm/train.sbatch", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -34,6 +37,13 @@ def finished(env, job_id):
     return state if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
 
 
+def all_finished(env, job_id):
+    """Whether the job, or every task of an array job, has ended."""
+    out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], env=env, capture_output=True, text=True).stdout
+    states = re.findall(r"JobState=(\S+)", out)
+    return all(state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") for state in states)
+
+
 def run_dir(job_id):
     return REPO / "runs" / f"ddpjob-{job_id}"
 
@@ -42,13 +52,37 @@ def output(job_id):
     return (REPO / "runs" / f"ddpjob-{job_id}.out").read_text()
 
 
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def processes_of(job_id):
+    """Pids of live processes that belong to Slurm job `job_id` (by SLURM_JOB_ID in their environment)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # not a process, or gone
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ:
+            pids.append(int(proc.name))
+    return pids
+
+
+def scancel(env, *args):
+    subprocess.run(["scancel", *args], env=env, check=True)
+
+
 @pytest.fixture
-def cleanup():
+def cleanup(slurm_env):
     jobs = []
     yield jobs
     for job_id in jobs:
-        shutil.rmtree(run_dir(job_id), ignore_errors=True)
-        (REPO / "runs" / f"ddpjob-{job_id}.out").unlink(missing_ok=True)
+        subprocess.run(["scancel", job_id], env=slurm_env)  # every task of an array; a no-op once it ended
+        wait_for(lambda j=job_id: all_finished(slurm_env, j), 120, f"job {job_id} to end after scancel")
+        for name in {job_id, *job_tasks(slurm_env, job_id).values()}:
+            shutil.rmtree(run_dir(name), ignore_errors=True)
+            (REPO / "runs" / f"ddpjob-{name}.out").unlink(missing_ok=True)
 
 
 def test_sbatch_two_nodes_completes_with_a_checkpoint(slurm_env, cleanup):
@@ -91,3 +125,119 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_completion(slurm_
     assert starts[1]["resumed_from"].endswith(f"step-{preempted[0]['step']}.pt")
     assert records[-2]["event"] == "final" and records[-2]["step"] == 40 * 22
     assert "requeueing job" in out and "(restart 1)" in out  # --open-mode=append kept both attempts
+
+
+def job_tasks(env, array_id):
+    """{task id: job id} of the started tasks of an array job (of a plain job: {})."""
+    out = subprocess.run(["scontrol", "show", "job", array_id, "-o"], env=env, capture_output=True, text=True).stdout
+    tasks = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines()]
+    return {t["ArrayTaskId"]: t["JobId"] for t in tasks if t.get("ArrayTaskId", "").isdigit()}
+
+
+def training(job_id, timeout=180):
+    metrics = run_dir(job_id) / "metrics.jsonl"
+    wait_for(lambda: '"train"' in (metrics.read_text() if metrics.is_file() else ""), timeout, f"job {job_id} to train")
+    return metrics
+
+
+def assert_one_checkpoint_at_the_stop(job_id, records_before_stop=()):
+    """Exactly one preempted record after `records_before_stop`, and exactly one checkpoint, at its step."""
+    new = records(run_dir(job_id) / "metrics.jsonl")[len(records_before_stop) :]
+    preempted = [r for r in new if r["event"] == "preempted"]
+    assert len(preempted) == 1, new
+    step = preempted[0]["step"]
+    saved = sorted(p.name for p in (run_dir(job_id) / "checkpoints").iterdir() if re.fullmatch(r"step-\d+\.pt", p.name))
+    assert saved == [f"step-{step}.pt"], saved
+    return preempted[0]
+
+
+@pytest.mark.parametrize("nodelist", ["a[1-3,5],b-[01-02]", "r[1-2]n[08-10],solo,x-[7]", "node01-ib,node02-ib"])
+def test_the_host_list_parser_agrees_with_scontrol_show_hostnames(slurm_env, nodelist):
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], env=slurm_env, capture_output=True, text=True, check=True
+    )
+    assert expand_hostlist(nodelist) == out.stdout.split()
+
+
+def test_a_suffix_this_scontrol_rejects_falls_back_to_the_parser(slurm_env, monkeypatch):
+    """Slurm 22.05's scontrol says "Invalid hostlist" (exit 0) for `node[01-02]-ib`; launch then parses it."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    assert launch.slurm_first_host("node[01-02]-ib") == "node01-ib"
+    assert launch.slurm_first_host("node[2-3],node1") == "node2"
+
+
+def test_scancel_term_to_every_process_checkpoints_once_and_exits_75(slurm_env, cleanup):
+    """TERM to the batch script, which forwards it to every process of the step (scancel), and TERM
+    from Slurm to every process of the step (workers and agents) directly: each worker gets TERM
+    from Slurm twice and from its agent. They checkpoint once and exit 75; launch waits for them
+    and reports 75. (Not `--full`: srun answers a TERM of its own by killing the step.)"""
+    job_id = sbatch(slurm_env, "--epochs", "40", "--log-every", "20", "--save-every", "0")
+    cleanup.append(job_id)
+    training(job_id)
+    scancel(slurm_env, "--signal=TERM", "--batch", job_id)
+    scancel(slurm_env, "--signal=TERM", job_id)
+    state = wait_for(lambda: finished(slurm_env, job_id), 240, f"job {job_id} to stop")
+    out = output(job_id)
+    assert (state, job(slurm_env, job_id)["ExitCode"]) == ("FAILED", "75:0"), out[-3000:]
+    assert "got TERM, forwarding" in out  # the batch script's second TERM reached the workers too
+    assert "requeueing" not in out and job(slurm_env, job_id)["Restarts"] == "0"
+    preempted = assert_one_checkpoint_at_the_stop(job_id)
+    assert preempted["signal"] == 15 and preempted["step"] > 0
+    assert out.count("[ddpjob] saved ") == 1, out[-3000:]
+    ends = [r for r in records(run_dir(job_id) / "attempts.jsonl") if r["event"] == "end"]
+    assert sorted(r["node_rank"] for r in ends) == [0, 1], ends
+    assert all(r["exit_code"] == 75 for r in ends), ends
+    # launch waited for its workers: it ended after rank 0 had written its checkpoint and record
+    assert all(r["time"] >= preempted["time"] for r in ends), (ends, preempted)
+    wait_for(lambda: not processes_of(job_id), 30, f"every process of job {job_id} to exit")
+
+
+def test_preemption_usr1_to_the_script_and_term_to_every_process_checkpoints_once_and_resumes(slurm_env, cleanup):
+    """A preemption warning (USR1 to the batch script, as --signal=B:USR1 sends it) followed at once by
+    TERM to every process of the step: one checkpoint, exit 75, requeue, resume at that step."""
+    job_id = sbatch(slurm_env, "--epochs", "40", "--log-every", "20", "--save-every", "0")
+    cleanup.append(job_id)
+    metrics = training(job_id)
+    scancel(slurm_env, "--signal=USR1", "--batch", job_id)
+    scancel(slurm_env, "--signal=TERM", job_id)
+    wait_for(lambda: job(slurm_env, job_id).get("Restarts") == "1", 180, "the job to requeue itself")
+    preempted = assert_one_checkpoint_at_the_stop(job_id)
+    wait_for(lambda: [r for r in records(metrics) if r["event"] == "start"][1:], 300, "the requeued job to start")
+    resumed = [r for r in records(metrics) if r["event"] == "start"][1]
+    assert resumed["step"] == preempted["step"] > 0
+    assert resumed["resumed_from"].endswith(f"step-{preempted['step']}.pt")
+    assert "requeueing job" in output(job_id)
+
+
+def test_a_cluster_that_only_sends_term_requeues_with_requeue_on_term(slurm_env, cleanup):
+    env = {**slurm_env, "DDPJOB_REQUEUE_ON_TERM": "1"}  # a batch-script setting: ddpjob itself must not see it
+    job_id = sbatch(env, "--epochs", "40", "--log-every", "20", "--save-every", "0")
+    cleanup.append(job_id)
+    metrics = training(job_id)
+    scancel(slurm_env, "--signal=TERM", "--batch", job_id)  # TERM, no USR1, to the batch script
+    wait_for(lambda: job(slurm_env, job_id).get("Restarts") == "1", 180, "the job to requeue itself on TERM")
+    preempted = assert_one_checkpoint_at_the_stop(job_id)
+    assert preempted["signal"] == 15
+    wait_for(lambda: [r for r in records(metrics) if r["event"] == "start"][1:], 300, "the requeued job to start")
+    resumed = [r for r in records(metrics) if r["event"] == "start"][1]
+    assert resumed["step"] == preempted["step"] > 0
+
+
+def test_an_array_task_requeues_only_itself(slurm_env, cleanup):
+    array_id = sbatch(
+        slurm_env, "--epochs", "40", "--log-every", "20", "--save-every", "0", options=["--array=0-1", "--nodes=1"]
+    )
+    cleanup.append(array_id)
+    tasks = wait_for(lambda: len(job_tasks(slurm_env, array_id)) == 2 and job_tasks(slurm_env, array_id), 120, "tasks")
+    # The task whose job id is the array's own id: a bare `scontrol requeue $SLURM_JOB_ID` there
+    # requeues every task of the array.
+    hit = next(task for task, job_id in tasks.items() if job_id == array_id)
+    spared = next(task for task in tasks if task != hit)
+    for job_id in tasks.values():
+        training(job_id)
+    scancel(slurm_env, "--signal=USR1", "--batch", f"{array_id}_{hit}")
+    wait_for(lambda: job(slurm_env, f"{array_id}_{hit}").get("Restarts") == "1", 180, f"task {hit} to requeue itself")
+    assert f"requeueing job {array_id}_{hit}" in output(array_id)
+    other = job(slurm_env, f"{array_id}_{spared}")
+    assert other["Restarts"] == "0" and other["JobState"] in ("RUNNING", "COMPLETED"), other
+    assert not [r for r in records(run_dir(tasks[spared]) / "metrics.jsonl") if r["event"] == "preempted"]
