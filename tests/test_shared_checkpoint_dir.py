@@ -153,13 +153,32 @@ def test_a_save_slower_than_the_collective_timeout_is_not_a_dead_peer(work):
     assert "saved runs/ddpjob/checkpoints/step-20.pt" in out and "done: step 20" in out
 
 
-def test_init_from_a_dcp_folder_under_ddp_at_world_size_2_equals_init_from_its_file_form(work):
+def test_init_from_a_dcp_folder_under_ddp_and_dp_equals_init_from_its_file_form(work):
     ok(ddpjob(["train", *SHORT, "--max-steps", "10", "--checkpoint-format", "dcp", "--run-dir", "src"], work))
     folder = work / "src/checkpoints/step-10"
     ok(ddpjob(["ckpt", "convert", str(folder), str(work / "w.pt")], work))
     for name, source in (("from-dcp", folder), ("from-file", work / "w.pt")):
         ok(torchrun([*SHORT, "--max-steps", "10", "--init-from", str(source), "--run-dir", name], work))
     assert_bitwise_equal(final_params(work / "from-dcp"), final_params(work / "from-file"))
+    for name, source in (("dp-dcp", folder), ("dp-file", work / "w.pt")):  # nn.DataParallel's module. keys
+        ok(
+            ddpjob(
+                [
+                    "train",
+                    "--strategy",
+                    "dp",
+                    *SHORT,
+                    "--max-steps",
+                    "5",
+                    "--init-from",
+                    str(source),
+                    "--run-dir",
+                    name,
+                ],
+                work,
+            )
+        )
+    assert_bitwise_equal(final_params(work / "dp-dcp"), final_params(work / "dp-file"))
 
 
 def test_dcp_checksums_catch_a_flipped_byte_that_keeps_the_size(work):
