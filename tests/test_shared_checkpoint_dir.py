@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from ddpjob import checkpoint, checkpointer, sharded
-from helpers import assert_bitwise_equal, ddpjob, final_params, free_port, ok, spawn, torchrun
+from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, spawn, torchrun
 from test_faults import JOB, records, trained_steps, wait_until, workers_of
 
 pytestmark = pytest.mark.slow
@@ -59,44 +58,47 @@ def test_resuming_an_older_checkpoint_of_the_run_is_refused_instead_of_overwriti
 
 def test_a_rank_waits_for_the_checkpoint_rank_0_chose_until_its_storage_shows_it(work):
     """Ranks with separate checkpoint dirs stand in for NFS clients: rank 1's copy of rank 0's
-    newest checkpoint appears only seconds after rank 0 chose it (file first, manifest last)."""
+    newest checkpoint appears only after rank 1 has started waiting for it (file first, manifest
+    last, as a lagging client sees them)."""
     flags = ["--log-every", "1000", "--epochs", "3", "--save-every", "0", "--fs-timeout", "60"]
 
-    def ranks(prefix: str, max_steps: int) -> list[subprocess.Popen]:
-        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        return [
-            spawn(
-                ["train", *flags, "--max-steps", str(max_steps)],
-                work,
-                RANK=str(r),
-                DDPJOB_RUN_DIR=f"{prefix}{r}",
-                **env,
-            )
-            for r in (0, 1)
-        ]
+    def ranks(prefix: str, max_steps: int) -> list[tuple[subprocess.Popen, Path]]:
+        env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        procs = []
+        for r in (0, 1):
+            log = work / f"{prefix}{r}.log"
+            with open(log, "w") as out:
+                cmd = [PY, "-m", "ddpjob", "train", *flags, "--max-steps", str(max_steps)]
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=work,
+                    env={**env, "RANK": str(r), "DDPJOB_RUN_DIR": f"{prefix}{r}"},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            procs.append((proc, log))
+        return procs
 
-    def finish(procs: list[subprocess.Popen]) -> list[str]:
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outs[1][-2000:]
+    def finish(procs: list[tuple[subprocess.Popen, Path]]) -> list[str]:
+        codes = [p.wait(timeout=180) for p, _ in procs]
+        outs = [log.read_text() for _, log in procs]
+        assert codes == [0, 0], outs[1][-2000:]
         return outs
 
     finish(ranks("whole", 25))
     finish(ranks("split", 9))
     src, dst = work / "split0/checkpoints/step-9.pt", work / "split1/checkpoints/step-9.pt"
     assert not dst.exists()
-
-    def lagging_copy() -> None:
-        time.sleep(4)
-        shutil.copyfile(src, dst)
-        time.sleep(1)
-        shutil.copyfile(checkpoint.manifest_path(src), checkpoint.manifest_path(dst))
-
-    copier = threading.Thread(target=lagging_copy)
-    copier.start()
-    started = time.monotonic()
-    outs = finish(ranks("split", 25))
-    copier.join()
-    assert time.monotonic() - started > 5  # it did wait
+    procs = ranks("split", 25)
+    wait_until(
+        lambda: "waiting up to 60 s to see split1/checkpoints/step-9.pt" in procs[1][1].read_text(),
+        120,
+        "rank 1 to wait",
+    )
+    shutil.copyfile(src, dst)
+    time.sleep(1)
+    shutil.copyfile(checkpoint.manifest_path(src), checkpoint.manifest_path(dst))
+    outs = finish(procs)
     assert "every rank holds the weights of step-9.pt" in outs[0]
     assert_bitwise_equal(final_params(work / "whole0"), final_params(work / "split0"))
 
@@ -137,7 +139,7 @@ def test_a_save_slower_than_the_collective_timeout_is_not_a_dead_peer(work):
         torchrun(
             [
                 "--model",
-                "tests.plugins.slow_save:model(seconds=8)",
+                "tests.plugins.slow_save:model(seconds=16)",
                 *SHORT,
                 "--max-steps",
                 "20",
@@ -217,3 +219,13 @@ def test_a_crafted_dcp_folder_runs_no_code_on_resume(work, monkeypatch):
     proc = ddpjob(["train", "--resume", str(folder), *SHORT, "--max-steps", "12"], work, EVIL_MARK=str(mark))
     assert proc.returncode == 2 and "weights_only" in proc.stderr, proc.stderr[-2000:]
     assert not mark.exists()
+
+
+def test_init_from_a_corrupt_checkpoint_is_refused_before_training(work):
+    ok(ddpjob(["train", *SHORT, "--max-steps", "10", "--run-dir", "src"], work))
+    source = work / "src/checkpoints/step-10.pt"
+    data = bytearray(source.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    source.write_bytes(bytes(data))
+    proc = ddpjob(["train", *SHORT, "--max-steps", "10", "--init-from", str(source)], work)
+    assert proc.returncode == 2 and "failed its integrity check: checksum mismatch" in proc.stderr, proc.stderr[-2000:]

@@ -20,6 +20,7 @@ tensors stay tied) and writes it from a thread: no fork, one extra host copy of 
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from ddpjob import checkpoint, dirlock, fsutil, rng, sharded, weights
 from ddpjob.config import Config
 from ddpjob.distenv import DistEnv
-from ddpjob.errors import Retriable, StorageError, UsageError
+from ddpjob.errors import Retriable, StorageError, UsageError, first_line
 
 _STEP = re.compile(r"^step-(\d+)(\.pt)?$")  # a file (ddpjob.checkpoint), or a DCP folder (ddpjob.sharded)
 
@@ -94,6 +95,9 @@ def remove_temporaries(directory: Path) -> list[str]:
     holding the dir lock: then no live save of any job is writing them."""
     removed = []
     for path in directory.iterdir() if directory.is_dir() else []:
+        if (final := fsutil.set_aside_from(path)) and not final.exists():
+            os.replace(path, final)  # a swap died between its two renames: the old folder is the checkpoint
+            continue
         if fsutil.is_temp(path.name):
             if path.is_dir():
                 sharded.remove(path)
@@ -101,6 +105,15 @@ def remove_temporaries(directory: Path) -> list[str]:
                 path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+def _classify(exc: Exception) -> tuple[str, bool]:
+    """(one-line message, retriable): storage trouble and lag may clear; anything else is input."""
+    if isinstance(exc, UsageError | Retriable):
+        return str(exc), isinstance(exc, Retriable)
+    if isinstance(exc, OSError):
+        return f"cannot read the checkpoint dir: {first_line(exc)}", True
+    return f"unusable checkpoint: {first_line(exc)}", False
 
 
 @dataclass
@@ -141,16 +154,14 @@ def choose(cfg: Config) -> Choice:
     directory = cfg.checkpoint_path
     path, resume = None, False
     if cfg.resume not in ("auto", "never"):
-        path, resume = Path(cfg.resume), True
-        if not path.exists():
-            raise UsageError(f"--resume {path} does not exist; check the path, or use --resume auto")
-        if has_manifest(path) and (reason := verify(path)):
-            raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
+        path, resume = given(cfg.resume, "--resume"), True
     elif cfg.resume == "auto" and (newest := latest_valid(directory)):
         path, resume = newest, True
     run = format_of(path).run_of(path) if path and resume else uuid.uuid4().hex[:12]
     start = (step_of(path) or 0) if path and resume else 0
-    clash = [(s, p) for s, p in complete(directory) if s > start]
+    # Later checkpoints that this run would overwrite or that --resume auto would prefer to it:
+    # any of another lineage, and valid ones of its own (a corrupt newer one of its own is not).
+    clash = [(s, p) for s, p in complete(directory) if s > start and (format_of(p).run_of(p) != run or not verify(p))]
     if clash:
         names = f"{clash[-1][1].name} … {clash[0][1].name}" if len(clash) > 1 else clash[0][1].name
         what = f"resuming from {path.name} (step {start})" if path and resume else "a fresh start"
@@ -160,17 +171,26 @@ def choose(cfg: Config) -> Choice:
             "--checkpoint-dir (or move them away)"
         )
     if not resume and cfg.init_from:
-        path = Path(cfg.init_from)
-        if not path.exists():
-            raise UsageError(f"--init-from {path} does not exist; check the path")
+        path = given(cfg.init_from, "--init-from")
     in_dir = path is not None and path.parent.resolve() == directory.resolve()
     return Choice(path, resume, run, format_of(path).identity(path) if path else "", in_dir=in_dir)
+
+
+def given(name: str, flag: str) -> Path:
+    """A checkpoint named by the user: it exists and, where it has a manifest, matches it. A DCP
+    folder needs its marker (ddpjob's integrity record); a plain file may have no manifest."""
+    path = Path(name)
+    if not path.exists():
+        raise UsageError(f"{flag} {path} does not exist; check the path")
+    if (has_manifest(path) or path.is_dir()) and (reason := verify(path)):
+        raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
+    return path
 
 
 def wait_visible(path: Path, identity: str, timeout: float, rank: int) -> None:
     """Until path is complete and is the checkpoint rank 0 chose (same identity). A file that
     does not show up in time is a retriable failure; one that differs is bad input (no shared dir)."""
-    deadline = time.monotonic() + timeout
+    deadline, told = time.monotonic() + timeout, False
     while True:
         mine, reason = "", "not visible"
         if path.exists():
@@ -183,6 +203,9 @@ def wait_visible(path: Path, identity: str, timeout: float, rank: int) -> None:
                 f"rank {rank} sees another {path} than rank 0 ({mine} vs {identity}); put --checkpoint-dir "
                 "on shared storage or use --load-mode rank0"
             )
+        if not told:
+            print(f"[ddpjob] rank {rank}: waiting up to {timeout:g} s to see {path} ({reason})", flush=True)
+            told = True
         if time.monotonic() >= deadline:
             raise Retriable(
                 f"rank {rank}: checkpoint {path} that rank 0 chose is {reason} here after --fs-timeout "
@@ -228,8 +251,8 @@ class Checkpointer:
                 choice = choose(self.cfg)
                 if choice.path and choice.path.is_dir() and self.cfg.load_mode == "rank0" and self.distributed:
                     raise UsageError(f"{choice.path} is a DCP folder, which every rank reads; use --load-mode mmap")
-            except (UsageError, OSError) as exc:  # never leave the other ranks waiting for a choice
-                choice.error, choice.retriable = str(exc), not isinstance(exc, UsageError)
+            except Exception as exc:  # never leave the other ranks waiting for a choice
+                choice.error, choice.retriable = _classify(exc)
         if self.distributed:
             box = [choice]
             dist.broadcast_object_list(box, src=0, group=self.group)
@@ -240,23 +263,15 @@ class Checkpointer:
         if path is None:
             return None
         rank0_reads = self.cfg.load_mode == "rank0" and self.distributed
-        if self.distributed and not rank0_reads:  # every rank sees rank 0's choice, or every rank stops
-            error, retriable = "", False
-            if not self.env.is_main:
-                try:
-                    wait_visible(path, choice.identity, self.cfg.fs_timeout, self.env.rank)
-                except (UsageError, Retriable) as exc:
-                    error, retriable = str(exc), isinstance(exc, Retriable)
-            outcomes: list[Any] = [None] * self.env.world_size
-            dist.all_gather_object(outcomes, (error, retriable), group=self.group)
-            failed = [o for o in outcomes if o[0]]
-            if failed:
-                self._raise(error or failed[0][0], any(o[1] for o in failed))
+        if rank0_reads:  # rank 0 reads, then tells the others whether it could, then sends
+            state = self._together(lambda: self._read(path), self.env.is_main)
+            return Loaded(weights.broadcast(state, self.group), path, choice.resume, identical=True)
+        # Every rank sees rank 0's choice, or every rank stops.
+        self._together(
+            lambda: wait_visible(path, choice.identity, self.cfg.fs_timeout, self.env.rank), not self.env.is_main
+        )
         if path.is_dir() and choice.resume:
             return Loaded(None, path, True)
-        if rank0_reads:
-            state = self._read(path) if self.env.is_main else None
-            return Loaded(weights.broadcast(state, self.group), path, choice.resume, identical=True)
         return Loaded(self._read(path), path, choice.resume, identical=True)
 
     def _prepare_dir(self) -> None:
@@ -265,6 +280,24 @@ class Checkpointer:
         self.lock_fd = dirlock.acquire(directory, wait=10.0)
         if removed := remove_temporaries(directory):
             print(f"[ddpjob] removed {len(removed)} leftover(s) of killed saves: {', '.join(removed)}", flush=True)
+
+    def _together(self, work: Callable[[], Any], mine: bool) -> Any:
+        """Run work where ``mine``; every rank learns whether it failed anywhere and raises, so no
+        rank is left waiting in a collective for one that stopped. Returns work's result."""
+        result, error, retriable = None, "", False
+        try:
+            if mine:
+                result = work()
+        except Exception as exc:
+            error, retriable = _classify(exc)
+        if self.distributed:
+            outcomes: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(outcomes, (error, retriable), group=self.group)
+            failed = [o for o in outcomes if o[0]]
+            if failed:
+                error, retriable = error or failed[0][0], any(o[1] for o in failed)
+        self._raise(error, retriable)
+        return result
 
     @staticmethod
     def _raise(error: str, retriable: bool) -> None:
@@ -322,8 +355,10 @@ class Checkpointer:
                 self._save_file(step, about)
         except StorageError as exc:
             error = str(exc)
-        self._agree(error)
-        self.last_saved = step
+        except Exception as exc:  # e.g. a stateful object that cannot be pickled: never leave the others waiting
+            error = f"cannot write checkpoint for step {step}: {first_line(exc)}"
+        if self._agree(error):
+            self.last_saved = step
 
     def _save_file(self, step: int, about: dict[str, Any]) -> None:
         state = {name: obj.state_dict() for name, obj in self.stateful.items() if name != "model"}
@@ -374,6 +409,9 @@ class Checkpointer:
         if self.stager:
             self.stager.close()
         self._agree(error)
+        if self.lock_fd is not None:
+            dirlock.release(self.lock_fd)
+            self.lock_fd = None
 
     def _done(self, path: Path) -> None:  # rank 0, once the checkpoint is complete
         prune(self.cfg.checkpoint_path, self.cfg.keep, self.run)
@@ -385,14 +423,15 @@ class Checkpointer:
         if pending:
             pending.wait()
 
-    def _agree(self, error: str) -> None:
-        """Rank 0 tells everyone how its save went (also the barrier after a save)."""
+    def _agree(self, error: str) -> bool:
+        """Rank 0 tells everyone how its save went (also the barrier after a save). True if it
+        worked; a failure raises, or (``--on-save-error warn``) is logged and returns False."""
         if self.distributed:
             box = [error]
             dist.broadcast_object_list(box, src=0, group=self.group)
             error = box[0]
         if not error:
-            return
+            return True
         if self.cfg.on_save_error == "fail":
             raise StorageError(error)
         if self.env.is_main:
@@ -401,6 +440,7 @@ class Checkpointer:
                 file=sys.stderr,
                 flush=True,
             )
+        return False
 
 
 class _Pending:
@@ -446,6 +486,6 @@ def stage(state: Any, buffers: list[torch.Tensor]) -> tuple[Any, list[torch.Tens
         return buffer
 
     staged = weights.map_tensors(state, copy)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if any(key[0].type == "cuda" for key in copies):
+        torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
     return staged, used

@@ -25,6 +25,12 @@ def is_temp(name: str) -> bool:
     return name.startswith(".step-") and (".tmp" in name or ".old-" in name)
 
 
+def set_aside_from(path: Path) -> Path | None:
+    """For a folder that replace_folder set aside (``.step-N.old-HOST-PID``), the folder it was."""
+    name = path.name
+    return path.with_name(name[1 : name.index(".old-")]) if name.startswith(".step-") and ".old-" in name else None
+
+
 def create_exclusive(path: Path) -> int:
     """Open a new file for writing; never an existing file, and never through a symlink.
     A leftover at that name (a writer that died with our PID, or a planted link) is removed first."""

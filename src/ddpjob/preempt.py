@@ -84,6 +84,9 @@ def exit_with_parent(interval: float = 1.0) -> None:
     goes with it. (``PR_SET_PDEATHSIG`` would follow the agent's forking thread, not the agent.)
     """
     parent = os.getppid()
+    if parent == 1:  # the agent died before we got here
+        print("[ddpjob] the torchrun agent is already gone: this worker exits", file=sys.stderr, flush=True)
+        os._exit(EXIT_FAILED)
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -23,7 +23,7 @@ def get_state() -> dict[str, Any]:
     assert isinstance(keys, np.ndarray)
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_initialized() else [],  # this rank's device
         "python": random.getstate(),
         "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
     }
@@ -33,8 +33,8 @@ def set_state(state: dict[str, Any]) -> None:
     """Restore every generator. The torch RNG setters take host byte tensors only, so states that
     were loaded onto a device are brought back first."""
     torch.set_rng_state(state["torch"].cpu())
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if state["cuda"] and torch.cuda.is_available():  # older checkpoints hold every visible device's
+        torch.cuda.set_rng_state(state["cuda"][min(torch.cuda.current_device(), len(state["cuda"]) - 1)].cpu())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]

@@ -66,7 +66,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def _finish(tmp: Path, final: Path, run: str) -> None:
-    """Rank 0: list the files with their sizes and checksums, then move the folder into place."""
+    """Rank 0: list the files with their sizes and checksums, then move the folder into place.
+    Every file DCP's metadata names must be here: a checkpoint dir that is not shared between the
+    ranks (each node wrote its part to its own disk) cannot be sealed."""
+    named = {info.relative_path for info in dcp.FileSystemReader(str(tmp)).read_metadata().storage_data.values()}
+    if missing := sorted(named - {p.name for p in tmp.iterdir()}):
+        raise OSError(
+            f"{len(missing)} part(s) written by other ranks are not in {tmp} ({missing[0]}, ...): the checkpoint "
+            "dir must be shared storage for --checkpoint-format dcp"
+        )
     files = {p.name: {"size": p.stat().st_size, **checksum.of_file(p)} for p in sorted(tmp.iterdir())}
     with os.fdopen(fsutil.create_exclusive(tmp / MARKER), "w") as f:
         json.dump({"files": files, "run": run}, f)
@@ -90,7 +98,10 @@ def _begin(directory: Path, step: int, group: dist.ProcessGroup | None) -> tuple
     """Collective: rank 0 clears a temp folder left by an interrupted save. (final, temp) folders."""
     final, tmp = directory / f"step-{step}", directory / f".step-{step}.tmp"
     if not _distributed() or dist.get_rank() == 0:
+        if tmp.is_symlink():  # never write through a link planted at the predictable name
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     if _distributed():
         dist.barrier(group=group)
     return final, tmp
@@ -128,7 +139,10 @@ def save(
 def reusable_stager() -> DefaultStager:
     """Copies the state to CPU memory for an async save and keeps that copy for the next save,
     which then copies into it instead of allocating (measured: 0.83 s first, 0.2 s after, 3 GiB)."""
-    return DefaultStager(StagingOptions(False, False, False, False))
+    options = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )
+    return DefaultStager(options)
 
 
 class Pending:

@@ -117,8 +117,11 @@ def build(spec: str, seed: int, state: dict[str, torch.Tensor] | None, source: s
         return build_model(spec)
     with torch.device("meta"):
         model = build_model(spec)
-    load_weights(model, state, source)
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # buffers outside the state dict
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    if not tied:  # assign=True would give each tied use a Parameter of its own
+        load_weights(model, state, source)
+    if tied or any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # buffers outside the state dict
+        rng.seed_all(seed)  # as a fresh start would: random buffers outside the state dict match it
         model = load_weights(build_model(spec), state, source)
     return model
 
@@ -219,6 +222,7 @@ def train(
         print_config(cfg)
 
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
+    stop = StopSignal(cfg.stop_check_every, device)  # a stop signal during loading is kept, not fatal
     checkpointer = Checkpointer(cfg, env)
     loaded: Loaded | None = checkpointer.begin()  # rank 0 chooses; every rank verifies and loads
     state = model_state(loaded.state, str(loaded.path)) if loaded and not loaded.sharded else None
@@ -271,7 +275,6 @@ def train(
     )
     bf16 = cfg.precision == "bf16" and device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    stop = StopSignal(cfg.stop_check_every, device)
     heartbeat = start_heartbeat(cfg.heartbeat, lambda: progress.step) if cfg.heartbeat else None
     loss_fn = nn.CrossEntropyLoss()
     batches_per_epoch = steps_per_epoch * cfg.grad_accum
