@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from common import median, table
 
+from ddpjob.checkpointer import Checkpointer
 from ddpjob.config import Config
 from ddpjob.distenv import DistEnv
 from ddpjob.plugins import synthetic_mlp
-from ddpjob.checkpointer import Checkpointer
 from ddpjob.train import Progress
 
 
