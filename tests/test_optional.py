@@ -77,7 +77,8 @@ def test_missing_optional_package_is_one_line_naming_the_extra(tmp_path, package
 
 
 def test_require_names_the_package_and_extra(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "safetensors", None)  # what a failed import leaves
+    for name in ("safetensors", "safetensors.torch"):  # what a failed import leaves (another test may have imported it)
+        monkeypatch.setitem(__import__("sys").modules, name, None)
     with pytest.raises(UsageError, match=r"x needs the optional package safetensors \(.*\); .*ddpjob\[tools\]"):
         optional.require("safetensors.torch", "x")
     assert optional.require("json", "y") is json
