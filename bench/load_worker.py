@@ -9,6 +9,7 @@ Rank 0 also prints `verifier NAME`: what V timed (see verifier()).
 """
 
 import json
+import os
 import sys
 import threading
 import time
@@ -56,9 +57,11 @@ def _records_new_checksums(entry: object) -> bool:
     return found is not None and found.algorithm == checksum.ALGORITHM
 
 
-def verifier(path: Path) -> tuple[str, Callable[[], str | None]]:
+def verifier(path: Path, share: tuple[int, int]) -> tuple[str, Callable[[], str | None]]:
     """What a load checks before it reads: ddpjob's own verify (checkpoint.verify for a file,
-    sharded.verify for a DCP folder) once its manifests record ddpjob.checksum's algorithm;
+    sharded.verify for a DCP folder) once its manifests record ddpjob.checksum's algorithm, on this
+    rank's ``share`` (part, parts) of the checksums as ddpjob's loader splits them between a node's
+    ranks ((0, 1): all of them, as rank 0 does in --load-mode rank0);
     before that, a stand-in that costs the same: size and checksum.file_digest of every file."""
     if path.is_dir():
         try:
@@ -66,7 +69,7 @@ def verifier(path: Path) -> tuple[str, Callable[[], str | None]]:
         except (OSError, ValueError, KeyError, AttributeError):
             entries = []
         if entries and all(_records_new_checksums(e) for e in entries):
-            return f"sharded.verify ({checksum.ALGORITHM})", lambda: sharded.verify(path)
+            return f"sharded.verify ({checksum.ALGORITHM}, this rank's share)", lambda: sharded.verify(path, share)
         files = sorted(p for p in path.iterdir() if p.name != sharded.MARKER)
     else:
         try:
@@ -74,7 +77,9 @@ def verifier(path: Path) -> tuple[str, Callable[[], str | None]]:
         except (OSError, ValueError):
             manifest = None
         if _records_new_checksums(manifest):
-            return f"checkpoint.verify ({checksum.ALGORITHM})", lambda: checkpoint.verify(path)
+            return f"checkpoint.verify ({checksum.ALGORITHM}, this rank's share)", lambda: checkpoint.verify(
+                path, share
+            )
         files = [path]
 
     def stand_in() -> str | None:
@@ -88,11 +93,12 @@ def verifier(path: Path) -> tuple[str, Callable[[], str | None]]:
 
 def main() -> None:
     mode, path, width, depth = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    share = (0, 1) if mode == "rank0" else (int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     spec = f"ddpjob.plugins:synthetic_mlp(width={width}, depth={depth})"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     base, anon_base = status_gib("VmRSS"), status_gib("RssAnon")
-    name, verify = verifier(path)
+    name, verify = verifier(path, share)
     if rank == 0:
         print(f"verifier {name}", flush=True)
 

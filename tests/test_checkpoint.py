@@ -297,3 +297,20 @@ def test_tied_weights_stay_tied_when_built_from_a_checkpoint(tmp_path):
     rebuilt = train.build("tests.plugins.tied:model", 0, state, "x")
     assert rebuilt.encode.weight is rebuilt.decode.weight
     assert len(list(rebuilt.parameters())) == len(list(model.parameters()))
+
+
+def test_ranks_sharing_the_verification_find_a_flipped_byte_in_the_block_of_whoever_checks_it(tmp_path, monkeypatch):
+    from ddpjob import checksum
+
+    monkeypatch.setattr(checksum, "BLOCK", 4096)
+    path = checkpoint.path_for(tmp_path, 1)
+    checkpoint.save({"w": torch.arange(10_000, dtype=torch.float32)}, path)  # about 10 blocks
+    blocks = checkpoint.manifest(path)["blocks"]
+    assert len(blocks) > 4
+    data = bytearray(path.read_bytes())
+    data[3 * 4096 + 5] ^= 0x01  # block 3
+    path.write_bytes(bytes(data))
+    verdicts = [checkpoint.verify(path, (part, 2)) for part in (0, 1)]
+    assert verdicts[0] is None and "block 3 of" in verdicts[1]
+    assert checkpoint.verify(path, None) is None  # sizes alone cannot see it
+    assert "checksum mismatch" in checkpoint.verify(path)

@@ -203,3 +203,15 @@ def test_from_manifest_refuses_malformed_checksums(manifest):
     with pytest.raises(ManifestError):
         checksum.from_manifest(manifest)
     assert issubclass(ManifestError, ValueError)  # callers that catch ValueError keep working
+
+
+def test_block_checksums_of_a_stream_written_in_odd_pieces_equal_those_read_back(tmp_path):
+    data = bytes(range(256)) * 41  # 10496 bytes: 5 blocks of 2 KiB and a partial one
+    blocks = checksum.Blocks(block=2048)
+    for start in range(0, len(data), 777):
+        blocks.update(data[start : start + 777])
+    fields = blocks.fields()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    assert fields["block_size"] == 2048 and len(fields["blocks"]) == 6
+    assert checksum.block_digests(path, range(6), 2048) == dict(enumerate(fields["blocks"]))

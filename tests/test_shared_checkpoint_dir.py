@@ -229,3 +229,16 @@ def test_init_from_a_corrupt_checkpoint_is_refused_before_training(work):
     source.write_bytes(bytes(data))
     proc = ddpjob(["train", *SHORT, "--max-steps", "10", "--init-from", str(source)], work)
     assert proc.returncode == 2 and "failed its integrity check: checksum mismatch" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_ranks_verifying_together_skip_a_corrupt_newest_checkpoint_of_the_same_size(work):
+    ck = work / "runs/ddpjob/checkpoints"
+    ok(torchrun([*SHORT, "--max-steps", "30", "--save-every", "10"], work))
+    newest = ck / "step-30.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 3] ^= 0x01  # same size: only a checksum, checked by one of the two ranks, can see it
+    newest.write_bytes(bytes(data))
+    out = ok(torchrun([*SHORT, "--max-steps", "40", "--save-every", "10"], work))
+    assert f"skipping checkpoint {newest.relative_to(work)}: checksum mismatch in block" in out
+    starts = [r for r in records(work / "runs/ddpjob") if r["event"] == "start"]
+    assert starts[-1]["resumed_from"].endswith("step-20.pt") and checkpointer.verify(newest) is None  # rewritten

@@ -34,11 +34,12 @@ class _DigestWriter:
     """File wrapper that computes the checksum and size while torch.save writes."""
 
     def __init__(self, f: IO[bytes]) -> None:
-        self.f, self.digest, self.size = f, checksum.Stream(), 0
+        self.f, self.digest, self.blocks, self.size = f, checksum.Stream(), checksum.Blocks(), 0
         self.error: OSError | None = None  # torch.save turns our OSError into a vague RuntimeError
 
     def write(self, data: bytes) -> int:
         self.digest.update(data)
+        self.blocks.update(data)
         self.size += len(data)
         view = memoryview(data)
         try:
@@ -77,7 +78,13 @@ def save(obj: Any, path: Path, run: str = "") -> None:
     try:
         _write_durably(path, write_state)
         assert writer is not None
-        manifest = {"format": FORMAT, "size": writer.size, **writer.digest.fields(), "run": run}
+        manifest = {
+            "format": FORMAT,
+            "size": writer.size,
+            **writer.digest.fields(),
+            **writer.blocks.fields(),
+            "run": run,
+        }
         _write_durably(manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
         fsutil.fsync_dir(path.parent)
     except (OSError, RuntimeError) as exc:
@@ -97,8 +104,10 @@ def manifest(path: Path) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def verify(path: Path) -> str | None:
-    """None if path matches its manifest, else the reason it does not."""
+def verify(path: Path, share: tuple[int, int] | None = (0, 1)) -> str | None:
+    """None if path matches its manifest, else the reason it does not. ``share`` (part, parts):
+    check the checksums of every parts-th block from part on, so the ranks of a node can split
+    the work; None: sizes only (is the file there, whole?)."""
     if not manifest_path(path).exists():
         return "no manifest (save did not finish)"
     found = manifest(path)
@@ -110,6 +119,17 @@ def verify(path: Path) -> str | None:
         return "missing"
     if path.stat().st_size != size:
         return f"size {path.stat().st_size} != {size} in manifest (truncated)"
+    if share is None:
+        return None
+    part, parts = share
+    blocks, block = found.get("blocks"), found.get("block_size")  # type: ignore[union-attr]
+    if isinstance(blocks, list) and isinstance(block, int) and block > 0:
+        mine = range(part, len(blocks), parts)
+        got = checksum.block_digests(path, mine, block)
+        bad = [i for i in mine if got[i] != blocks[i]]
+        return f"checksum mismatch in block {bad[0]} of {len(blocks)} (corrupt)" if bad else None
+    if part != 0:  # a whole-file checksum (older manifests): one of the sharing ranks checks it
+        return None
     return None if checksum.matches(path, found) else "checksum mismatch (corrupt)"  # type: ignore[arg-type]
 
 

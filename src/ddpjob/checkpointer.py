@@ -60,14 +60,22 @@ def list_steps(directory: Path) -> list[tuple[int, Path]]:
     return sorted(((s, p) for p in directory.iterdir() if (s := step_of(p)) is not None), reverse=True)
 
 
-def verify(path: Path) -> str | None:
-    return format_of(path).verify(path)
+FULL: tuple[int, int] = (0, 1)  # verify every checksum; (part, parts) a share of them; None sizes only
 
 
-def latest_valid(directory: Path) -> Path | None:
-    """The newest checkpoint whose manifest matches; each one skipped is named in a warning."""
+def verify(path: Path, share: tuple[int, int] | None = FULL) -> str | None:
+    return format_of(path).verify(path, share)
+
+
+def latest_valid(
+    directory: Path, share: tuple[int, int] | None = FULL, skip: frozenset[str] = frozenset()
+) -> Path | None:
+    """The newest checkpoint whose manifest matches (checked as far as ``share`` says), other than
+    those named in ``skip``; each one skipped for a reason is named in a warning."""
     for _, path in list_steps(directory):
-        reason = verify(path)
+        if path.name in skip:
+            continue
+        reason = verify(path, share)
         if reason is None:
             return path
         print(f"[ddpjob] warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
@@ -127,6 +135,7 @@ class Choice:
     error: str = ""  # rank 0's error, raised on every rank: UsageError, else (``retriable``) Retriable
     retriable: bool = False
     in_dir: bool = False  # path is in rank 0's checkpoint dir
+    sealed: bool = False  # path has a manifest (ddpjob's marker for a DCP folder) on rank 0
 
     def local(self, directory: Path) -> Path | None:
         """The chosen path as this rank names it: a checkpoint of rank 0's checkpoint dir is looked
@@ -149,19 +158,24 @@ class Loaded:
         return self.state is None
 
 
-def choose(cfg: Config) -> Choice:
-    """Rank 0: the checkpoint to start from and the lineage to write, or UsageError."""
+def choose(cfg: Config, share: tuple[int, int] | None = FULL, skip: frozenset[str] = frozenset()) -> Choice:
+    """Rank 0: the checkpoint to start from and the lineage to write, or UsageError. Checksums are
+    checked as far as ``share`` says (None: sizes only, when the ranks verify together after)."""
     directory = cfg.checkpoint_path
     path, resume = None, False
     if cfg.resume not in ("auto", "never"):
-        path, resume = given(cfg.resume, "--resume"), True
-    elif cfg.resume == "auto" and (newest := latest_valid(directory)):
+        path, resume = given(cfg.resume, "--resume", share), True
+    elif cfg.resume == "auto" and (newest := latest_valid(directory, share, skip)):
         path, resume = newest, True
     run = format_of(path).run_of(path) if path and resume else uuid.uuid4().hex[:12]
     start = (step_of(path) or 0) if path and resume else 0
     # Later checkpoints that this run would overwrite or that --resume auto would prefer to it:
     # any of another lineage, and valid ones of its own (a corrupt newer one of its own is not).
-    clash = [(s, p) for s, p in complete(directory) if s > start and (format_of(p).run_of(p) != run or not verify(p))]
+    clash = [
+        (s, p)
+        for s, p in complete(directory)
+        if s > start and p.name not in skip and (format_of(p).run_of(p) != run or not verify(p))
+    ]
     if clash:
         names = f"{clash[-1][1].name} … {clash[0][1].name}" if len(clash) > 1 else clash[0][1].name
         what = f"resuming from {path.name} (step {start})" if path and resume else "a fresh start"
@@ -171,30 +185,31 @@ def choose(cfg: Config) -> Choice:
             "--checkpoint-dir (or move them away)"
         )
     if not resume and cfg.init_from:
-        path = given(cfg.init_from, "--init-from")
+        path = given(cfg.init_from, "--init-from", share)
     in_dir = path is not None and path.parent.resolve() == directory.resolve()
-    return Choice(path, resume, run, format_of(path).identity(path) if path else "", in_dir=in_dir)
+    identity, sealed = (format_of(path).identity(path), has_manifest(path)) if path else ("", False)
+    return Choice(path, resume, run, identity, in_dir=in_dir, sealed=sealed)
 
 
-def given(name: str, flag: str) -> Path:
+def given(name: str, flag: str, share: tuple[int, int] | None = FULL) -> Path:
     """A checkpoint named by the user: it exists and, where it has a manifest, matches it. A DCP
     folder needs its marker (ddpjob's integrity record); a plain file may have no manifest."""
     path = Path(name)
     if not path.exists():
         raise UsageError(f"{flag} {path} does not exist; check the path")
-    if (has_manifest(path) or path.is_dir()) and (reason := verify(path)):
+    if (has_manifest(path) or path.is_dir()) and (reason := verify(path, share)):
         raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
     return path
 
 
-def wait_visible(path: Path, identity: str, timeout: float, rank: int) -> None:
+def wait_visible(path: Path, identity: str, sealed: bool, timeout: float, rank: int) -> None:
     """Until path is complete and is the checkpoint rank 0 chose (same identity). A file that
     does not show up in time is a retriable failure; one that differs is bad input (no shared dir)."""
     deadline, told = time.monotonic() + timeout, False
     while True:
         mine, reason = "", "not visible"
-        if path.exists():
-            reason = (verify(path) or "") if has_manifest(path) or path.is_dir() else ""
+        if path.exists():  # sealed: rank 0 saw its manifest, so this rank waits for it too (NFS lag)
+            reason = (verify(path, None) or "") if sealed else ""
             mine = "" if reason else format_of(path).identity(path)
         if mine == identity:
             return
@@ -243,12 +258,26 @@ class Checkpointer:
 
     # ---- start ---------------------------------------------------------------------------------
     def begin(self) -> Loaded | None:
-        """Collective: lock, clean, choose (rank 0), then every rank loads what rank 0 chose."""
+        """Collective: lock, clean, choose (rank 0), verify together, then every rank loads what
+        rank 0 chose. Where every rank reads the checkpoint, the ranks of each node check a share
+        of its checksums each (so a node reads it once, in parallel); if the newest one then fails,
+        rank 0 chooses again without it."""
+        skip: frozenset[str] = frozenset()
+        while isinstance(found := self._choose_and_verify(skip), str):
+            skip |= {found}
+        return found
+
+    def _choose_and_verify(self, skip: frozenset[str]) -> Loaded | str | None:
+        """What to start from; or the name of a checkpoint that failed the shared verification
+        under --resume auto (to be skipped on the next choice)."""
+        rank0_reads = self.cfg.load_mode == "rank0" and self.distributed
+        together = self.distributed and not rank0_reads  # every rank reads it: verify it together
         choice = Choice(None, False, "")
         if self.env.is_main:
             try:
-                self._prepare_dir()
-                choice = choose(self.cfg)
+                if not self.lock_fd:
+                    self._prepare_dir()
+                choice = choose(self.cfg, None if together else FULL, skip)
                 if choice.path and choice.path.is_dir() and self.cfg.load_mode == "rank0" and self.distributed:
                     raise UsageError(f"{choice.path} is a DCP folder, which every rank reads; use --load-mode mmap")
             except Exception as exc:  # never leave the other ranks waiting for a choice
@@ -262,17 +291,32 @@ class Checkpointer:
         path = choice.local(self.cfg.checkpoint_path)
         if path is None:
             return None
-        rank0_reads = self.cfg.load_mode == "rank0" and self.distributed
         if rank0_reads:  # rank 0 reads, then tells the others whether it could, then sends
             state = self._together(lambda: self._read(path), self.env.is_main)
             return Loaded(weights.broadcast(state, self.group), path, choice.resume, identical=True)
         # Every rank sees rank 0's choice, or every rank stops.
         self._together(
-            lambda: wait_visible(path, choice.identity, self.cfg.fs_timeout, self.env.rank), not self.env.is_main
+            lambda: wait_visible(path, choice.identity, choice.sealed, self.cfg.fs_timeout, self.env.rank),
+            not self.env.is_main,
         )
+        if together and (reason := self._verify_shares(path, choice.sealed)):
+            if choice.resume and self.cfg.resume == "auto":
+                if self.env.is_main:
+                    print(f"[ddpjob] warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+                return path.name
+            raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
         if path.is_dir() and choice.resume:
             return Loaded(None, path, True)
         return Loaded(self._read(path), path, choice.resume, identical=True)
+
+    def _verify_shares(self, path: Path, sealed: bool) -> str:
+        """Collective: each rank checks its node-local share of path's checksums; the first
+        failure any rank found, or ""."""
+        share = (self.env.local_rank, max(self.env.local_world_size, 1))
+        mine = (verify(path, share) or "") if sealed else ""  # a plain state dict has no manifest
+        found: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(found, mine, group=self.group)
+        return next((r for r in found if r), "")
 
     def _prepare_dir(self) -> None:
         """Rank 0: take the dir's lock, then remove the temporaries of saves that were killed."""

@@ -20,7 +20,7 @@ import contextlib
 import mmap
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from os import PathLike
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ ALGORITHM = "xxh3_64"  # what new manifests record
 LEGACY = "crc32"  # zlib's CRC-32, in manifests written before (key "crc32": int)
 ALGORITHMS = (ALGORITHM, LEGACY)
 CHUNK = 16 << 20  # bytes per update when reading a file: small enough to stay in cache, large enough to be free
+BLOCK = 64 << 20  # single-file manifests also record a checksum per block, so ranks can verify a share each
 
 _HEX16 = re.compile(r"[0-9a-fA-F]{16}")
 Value = str | int  # xxh3_64: 16 lower-case hex digits; crc32: an unsigned 32-bit int (as old manifests store it)
@@ -105,6 +106,51 @@ def file_digest(path: str | PathLike[str], algorithm: str = ALGORITHM) -> Value:
             finally:
                 view.release()  # else closing the map raises BufferError
     return stream.value
+
+
+def block_digests(path: str | PathLike[str], indices: Iterable[int], block: int = BLOCK) -> dict[int, Value]:
+    """ALGORITHM's checksum of each given block of the file (block i: bytes [i*block, (i+1)*block)),
+    read through a memory map without copies."""
+    wanted = list(indices)
+    with open(path, "rb", buffering=0) as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file has no blocks
+            return {i: digest(b"") for i in wanted}
+        with mapped:
+            view = memoryview(mapped)
+            try:
+                return {i: digest(view[i * block : (i + 1) * block]) for i in wanted}
+            finally:
+                view.release()
+
+
+class Blocks:
+    """Block checksums of a stream written in pieces of any size (see BLOCK)."""
+
+    def __init__(self, block: int | None = None) -> None:
+        self.block, self._stream, self._filled = block or BLOCK, Stream(), 0
+        self.digests: list[Value] = []
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self.block - self._filled)
+            self._stream.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.block:
+                self._close()
+
+    def _close(self) -> None:
+        self.digests.append(self._stream.value)
+        self._stream, self._filled = Stream(), 0
+
+    def fields(self) -> dict[str, Any]:
+        """What a manifest records: ``{"block_size": ..., "blocks": [...]}`` (a last partial block included)."""
+        if self._filled:
+            self._close()
+        return {"block_size": self.block, "blocks": list(self.digests)}
 
 
 def _read_into(f: Any, stream: Stream) -> None:
