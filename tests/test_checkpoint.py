@@ -62,7 +62,7 @@ def test_flipped_byte_fails_the_checksum(tmp_path):
 def test_prune_keeps_the_newest_of_its_own_run_and_never_touches_another_runs(tmp_path):
     for step, run in ((1, "old"), (2, "old"), (3, "mine"), (4, "mine"), (5, "mine"), (9, "old")):
         checkpoint.save({"step": step}, checkpoint.path_for(tmp_path, step), run=run)
-    checkpointer.prune(tmp_path, keep=2, run="mine")
+    checkpointer.prune(tmp_path, keep=2, run="mine", saved=5)
     assert [s for s, _ in checkpointer.list_steps(tmp_path)] == [9, 5, 4, 2, 1]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-4")) == ["step-4.pt", "step-4.pt.sum"]
     assert not checkpoint.manifest_path(checkpoint.path_for(tmp_path, 3)).exists()
@@ -314,3 +314,42 @@ def test_ranks_sharing_the_verification_find_a_flipped_byte_in_the_block_of_whoe
     assert verdicts[0] is None and "block 3 of" in verdicts[1]
     assert checkpoint.verify(path, None) is None  # sizes alone cannot see it
     assert "checksum mismatch" in checkpoint.verify(path)
+
+
+def test_a_skipped_corrupt_later_checkpoint_of_the_run_neither_counts_for_keep_nor_is_pruned(tmp_path):
+    for step in (10, 30):
+        checkpoint.save({"step": step}, checkpoint.path_for(tmp_path, step), run="mine")
+    checkpoint.save({"step": 20}, checkpoint.path_for(tmp_path, 20), run="mine")  # saved after resuming from 10
+    checkpointer.prune(tmp_path, keep=1, run="mine", saved=20)
+    assert [s for s, _ in checkpointer.list_steps(tmp_path)] == [30, 20]
+
+
+def test_block_checksums_are_checked_where_files_cannot_be_memory_mapped(tmp_path, monkeypatch):
+    import mmap as mmap_module
+
+    from ddpjob import checksum
+
+    path = checkpoint.path_for(tmp_path, 1)
+    checkpoint.save({"w": torch.arange(1000.0)}, path)
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(mmap_module, "mmap", refuse)
+    monkeypatch.setattr(checksum.mmap, "mmap", refuse)
+    assert checkpoint.verify(path) is None
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    assert "checksum mismatch" in checkpoint.verify(path)
+
+
+def test_a_manifest_with_too_few_block_checksums_is_unreadable_not_trusted(tmp_path):
+    import json
+
+    path = checkpoint.path_for(tmp_path, 1)
+    checkpoint.save({"w": torch.arange(1000.0)}, path)
+    manifest = checkpoint.manifest(path)
+    manifest["blocks"] = []
+    checkpoint.manifest_path(path).write_text(json.dumps(manifest))
+    assert "unreadable manifest" in checkpoint.verify(path)

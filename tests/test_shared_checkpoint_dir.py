@@ -13,7 +13,18 @@ import pytest
 import torch
 
 from ddpjob import checkpoint, checkpointer, sharded
-from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, spawn, torchrun
+from helpers import (
+    PY,
+    assert_bitwise_equal,
+    clean_env,
+    ddpjob,
+    final_params,
+    free_port,
+    ok,
+    plain_env_ranks,
+    spawn,
+    torchrun,
+)
 from test_faults import JOB, records, trained_steps, wait_until, workers_of
 
 pytestmark = pytest.mark.slow
@@ -231,14 +242,25 @@ def test_init_from_a_corrupt_checkpoint_is_refused_before_training(work):
     assert proc.returncode == 2 and "failed its integrity check: checksum mismatch" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_ranks_verifying_together_skip_a_corrupt_newest_checkpoint_of_the_same_size(work):
+def run_two(args: list[str], work: Path, how: str) -> str:
+    if how == "torchrun":
+        return ok(torchrun(args, work))
+    procs = plain_env_ranks(args, work, free_port())  # only RANK and WORLD_SIZE: no LOCAL_* to trust
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[1][-2000:]
+    return "".join(outs)
+
+
+@pytest.mark.parametrize("how", ["torchrun", "plain-env"])
+def test_ranks_verifying_together_skip_a_corrupt_newest_checkpoint_of_the_same_size(work, how):
     ck = work / "runs/ddpjob/checkpoints"
-    ok(torchrun([*SHORT, "--max-steps", "30", "--save-every", "10"], work))
+    run_two([*SHORT, "--max-steps", "30", "--save-every", "10"], work, how)
     newest = ck / "step-30.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 3] ^= 0x01  # same size: only a checksum, checked by one of the two ranks, can see it
     newest.write_bytes(bytes(data))
-    out = ok(torchrun([*SHORT, "--max-steps", "40", "--save-every", "10"], work))
+    out = run_two([*SHORT, "--max-steps", "40", "--save-every", "10", "--keep", "1"], work, how)
     assert f"skipping checkpoint {newest.relative_to(work)}: checksum mismatch in block" in out
     starts = [r for r in records(work / "runs/ddpjob") if r["event"] == "start"]
-    assert starts[-1]["resumed_from"].endswith("step-20.pt") and checkpointer.verify(newest) is None  # rewritten
+    assert starts[-1]["resumed_from"].endswith("step-20.pt")
+    assert [s for s, _ in checkpointer.list_steps(ck)] == [40]  # 30 rewritten, then pruned with --keep 1

@@ -38,17 +38,18 @@ class _DigestWriter:
         self.error: OSError | None = None  # torch.save turns our OSError into a vague RuntimeError
 
     def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        self.blocks.update(data)
-        self.size += len(data)
-        view = memoryview(data)
+        view = memoryview(data).cast("B")  # sizes in bytes, whatever buffer format torch.save passes
+        written = view.nbytes
+        self.digest.update(view)
+        self.blocks.update(view)
+        self.size += written
         try:
             while view:  # an unbuffered file may take part of it; ENOSPC raises OSError here
                 view = view[self.f.write(view) or 0 :]
         except OSError as exc:
             self.error = exc
             raise
-        return len(data)
+        return written
 
     def flush(self) -> None:
         self.f.flush()
@@ -124,6 +125,8 @@ def verify(path: Path, share: tuple[int, int] | None = (0, 1)) -> str | None:
     part, parts = share
     blocks, block = found.get("blocks"), found.get("block_size")  # type: ignore[union-attr]
     if isinstance(blocks, list) and isinstance(block, int) and block > 0:
+        if len(blocks) != -(-size // block):
+            return f"unreadable manifest ({len(blocks)} block checksums for {size} bytes)"
         mine = range(part, len(blocks), parts)
         got = checksum.block_digests(path, mine, block)
         bad = [i for i in mine if got[i] != blocks[i]]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -91,9 +92,11 @@ def complete(directory: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in list_steps(directory) if has_manifest(p)]
 
 
-def prune(directory: Path, keep: int, run: str) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints of lineage ``run``; nobody else's."""
-    own = [p for _, p in complete(directory) if format_of(p).run_of(p) == run]
+def prune(directory: Path, keep: int, run: str, saved: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints of lineage ``run`` up to step ``saved``
+    (the one just written); nobody else's. Later ones of the run can only be corrupt ones that a
+    resume skipped: they neither count nor go, and later saves overwrite them."""
+    own = [p for s, p in complete(directory) if s <= saved and format_of(p).run_of(p) == run]
     for path in own[keep:]:
         format_of(path).remove(path)
 
@@ -174,7 +177,7 @@ def choose(cfg: Config, share: tuple[int, int] | None = FULL, skip: frozenset[st
     clash = [
         (s, p)
         for s, p in complete(directory)
-        if s > start and p.name not in skip and (format_of(p).run_of(p) != run or not verify(p))
+        if s > start and (format_of(p).run_of(p) != run or (p.name not in skip and not verify(p)))
     ]
     if clash:
         names = f"{clash[-1][1].name} … {clash[0][1].name}" if len(clash) > 1 else clash[0][1].name
@@ -310,13 +313,30 @@ class Checkpointer:
         return Loaded(self._read(path), path, choice.resume, identical=True)
 
     def _verify_shares(self, path: Path, sealed: bool) -> str:
-        """Collective: each rank checks its node-local share of path's checksums; the first
-        failure any rank found, or ""."""
-        share = (self.env.local_rank, max(self.env.local_world_size, 1))
-        mine = (verify(path, share) or "") if sealed else ""  # a plain state dict has no manifest
+        """Collective: the ranks on each host split path's checksums between them (hosts are
+        compared, not LOCAL_RANK taken on trust); the failure every host found, or "". A failure
+        that only some hosts see, or an I/O error, is their view of the storage lagging or failing,
+        not a corrupt checkpoint: Retriable."""
+        host = socket.gethostname()
+        hosts: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(hosts, host, group=self.group)
+        peers = [r for r, h in enumerate(hosts) if h == host]
+        reason, error = "", ""
+        try:
+            reason = (verify(path, (peers.index(self.env.rank), len(peers))) or "") if sealed else ""
+        except OSError as exc:
+            error = f"rank {self.env.rank} on {host} cannot read {path}: {first_line(exc)}"
         found: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(found, mine, group=self.group)
-        return next((r for r in found if r), "")
+        dist.all_gather_object(found, (host, reason, error), group=self.group)
+        if errors := [e for _, _, e in found if e]:
+            raise Retriable(errors[0])
+        failing = {h for h, r, _ in found if r}
+        if failing and failing != set(hosts):
+            raise Retriable(
+                f"checkpoint {path} fails its check on {', '.join(sorted(failing))} but not on the other hosts "
+                f"({next(r for _, r, _ in found if r)}): their view of shared storage is stale; a restart retries"
+            )
+        return next((r for _, r, _ in found if r), "")
 
     def _prepare_dir(self) -> None:
         """Rank 0: take the dir's lock, then remove the temporaries of saves that were killed."""
@@ -458,7 +478,7 @@ class Checkpointer:
             self.lock_fd = None
 
     def _done(self, path: Path) -> None:  # rank 0, once the checkpoint is complete
-        prune(self.cfg.checkpoint_path, self.cfg.keep, self.run)
+        prune(self.cfg.checkpoint_path, self.cfg.keep, self.run, step_of(path) or 0)
         print(f"[ddpjob] saved {path}", flush=True)
 
     def wait(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import re
 import zlib
 from collections.abc import Iterable, Mapping
@@ -117,6 +118,8 @@ def block_digests(path: str | PathLike[str], indices: Iterable[int], block: int 
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file has no blocks
             return {i: digest(b"") for i in wanted}
+        except OSError:  # a file system that cannot map files (some FUSE mounts): read each block
+            return {i: digest(os.pread(f.fileno(), block, i * block)) for i in wanted}
         with mapped:
             view = memoryview(mapped)
             try:

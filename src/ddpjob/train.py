@@ -193,8 +193,12 @@ def run(cfg: Config, env: DistEnv) -> int:
     train_set, val_set = build_data(cfg.data)
     if cfg.strategy == "ddp":
         init_process_group(cfg, env, device)
+    # From here a stop signal is kept, not fatal: loading a checkpoint (waiting for the dir's lock,
+    # for shared storage, verifying) can take minutes, and a stop then still ends in a checkpoint.
+    # (Before, a blocking rendezvous would hold a handled signal until it returned.)
+    stop = StopSignal(cfg.stop_check_every, device)
     try:
-        return train(cfg, env, device, train_set, val_set)
+        return train(cfg, env, device, stop, train_set, val_set)
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
             raise PeerLost(
@@ -215,6 +219,7 @@ def train(
     cfg: Config,
     env: DistEnv,
     device: torch.device,
+    stop: StopSignal,
     train_set: Dataset[Any],
     val_set: Dataset[Any] | None,
 ) -> int:
@@ -222,7 +227,6 @@ def train(
         print_config(cfg)
 
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
-    stop = StopSignal(cfg.stop_check_every, device)  # a stop signal during loading is kept, not fatal
     checkpointer = Checkpointer(cfg, env)
     loaded: Loaded | None = checkpointer.begin()  # rank 0 chooses; every rank verifies and loads
     state = model_state(loaded.state, str(loaded.path)) if loaded and not loaded.sharded else None
