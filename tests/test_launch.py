@@ -176,6 +176,7 @@ class _Proc:
             "rank 1 exited with 137, not 75 (checkpointed): SIGKILL: it did not stop within --shutdown-timeout (7 s)",
         ),
         ([75, -15], 143, "exit codes by local rank: 75, 143"),
+        ([-15, -15], 75, "while the workers were setting up; nothing to checkpoint"),
         ([0, 0], 0, "as the workers finished"),
     ],
 )

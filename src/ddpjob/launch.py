@@ -291,10 +291,17 @@ class StopSignals:
     def installed(self, names: str) -> Iterator[None]:
         """Our handler for `names` now (a signal during rendezvous is a stop too) and wherever the
         agent installs its own; the agent's worker processes recorded as it starts them."""
+        import torch
         from torch.distributed.elastic.agent.server import local_elastic_agent
         from torch.distributed.elastic.multiprocessing import api
 
-        original_handler, original_start = api._terminate_process_handler, local_elastic_agent.start_processes
+        original_handler = getattr(api, "_terminate_process_handler", None)
+        original_start = getattr(local_elastic_agent, "start_processes", None)
+        if not (callable(original_handler) and callable(original_start)):  # torch internals this relies on
+            raise UsageError(
+                f"torch {torch.__version__}'s elastic agent has no _terminate_process_handler or start_processes; "
+                "ddpjob launch cannot tell checkpointed workers from failed ones: use a torch that ddpjob is tested with"
+            )
 
         def start_processes(*args: Any, **kwargs: Any) -> Any:
             self.pcontext = original_start(*args, **kwargs)
@@ -324,6 +331,10 @@ class StopSignals:
         if codes is None:
             return EXIT_PREEMPTED, f"got {got} before any worker started; nothing to checkpoint (exit {EXIT_PREEMPTED})"
         failed = {rank: code for rank, code in codes.items() if code not in (EXIT_PREEMPTED, 0)}
+        if all(code == -sig for code in codes.values()):  # all killed by the signal itself: their stop
+            return EXIT_PREEMPTED, (  # handler comes after set-up, so nothing had trained yet
+                f"got {got} while the workers were setting up; nothing to checkpoint (exit {EXIT_PREEMPTED})"
+            )
         if not failed and EXIT_PREEMPTED in codes.values():
             return EXIT_PREEMPTED, f"got {got}; workers checkpointed and stopped (exit {EXIT_PREEMPTED})"
         if not failed:
