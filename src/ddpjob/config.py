@@ -62,7 +62,7 @@ class Config:
     )
     save_mode: str = _opt(
         "sync",
-        "async: the loop waits only for a copy to CPU memory (file: a fork), then the write goes on aside",
+        "async: the loop waits only for a copy into host memory (kept between saves), then a thread writes it",
         ("sync", "async"),
     )
     on_save_error: str = _opt(
