@@ -13,7 +13,21 @@ from pathlib import Path
 import pytest
 
 from ddpjob import checkpoint, checkpointer, sharded
-from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, plain_env_ranks, spawn
+from helpers import (
+    PY,
+    assert_bitwise_equal,
+    clean_env,
+    ddpjob,
+    final_params,
+    free_port,
+    ok,
+    plain_env_ranks,
+    records,
+    spawn,
+    trained_steps,
+    wait_until,
+    workers_of,
+)
 
 pytestmark = pytest.mark.slow
 # Slow enough per step that a signal lands mid-epoch: 128 steps per epoch per rank.
@@ -34,39 +48,8 @@ JOB = [
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs in a private mount namespace (root)")
 
 
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def launch(work: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     return spawn(["launch", *args], work, **(env or {}))
-
-
-def trained_steps(run_dir: Path) -> int:
-    steps = [r["step"] for r in records(run_dir) if r["event"] == "train"]
-    return max(steps, default=0)
-
-
-def workers_of(agent_pid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == agent_pid:
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ agent in `ddpjob launch`, and the agent gets several. Workers checkpoint once an
 waits for them (within --shutdown-timeout) and reports 75 only when they did, else their own code."""
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, ddpjob, ok, spawn
+from helpers import REPO, alive, ddpjob, ok, records, spawn, trained_steps, wait_until, workers_of
 
 pytestmark = pytest.mark.slow
 
@@ -31,46 +30,6 @@ JOB = [
     "--save-every",
     "0",
 ]
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def trained_steps(run_dir: Path) -> int:
-    return max((r["step"] for r in records(run_dir) if r["event"] == "train"), default=0)
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def workers_of(agent_pid: int) -> list[int]:
-    """The `ddpjob train` processes whose parent is the agent (torchrun runs inside launch)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == agent_pid and b"train" in cmdline:
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def signal_step(pids: list[int], sig: signal.Signals) -> None:

@@ -15,6 +15,7 @@ import torch
 from ddpjob import checkpoint, checkpointer, sharded
 from helpers import (
     PY,
+    alive,
     assert_bitwise_equal,
     clean_env,
     ddpjob,
@@ -22,10 +23,14 @@ from helpers import (
     free_port,
     ok,
     plain_env_ranks,
+    records,
     spawn,
     torchrun,
+    trained_steps,
+    wait_until,
+    workers_of,
 )
-from test_faults import JOB, records, trained_steps, wait_until, workers_of
+from test_faults import JOB
 
 pytestmark = pytest.mark.slow
 SHORT = ["--epochs", "3", "--log-every", "1000"]
@@ -135,13 +140,7 @@ def test_workers_die_with_their_sigkilled_agent_and_the_next_job_takes_over(work
     agent.send_signal(signal.SIGKILL)
     agent.wait(timeout=10)
 
-    def gone() -> bool:
-        return not any(
-            Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-            for pid in workers
-        )
-
-    wait_until(gone, 10, "the orphaned workers to exit")
+    wait_until(lambda: not any(alive(pid) for pid in workers), 10, "the orphaned workers to exit")
     ok(ddpjob(["train", *JOB, "--max-steps", "10"], work, timeout=120))  # the dir's lock went with them
 
 
