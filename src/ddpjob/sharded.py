@@ -21,6 +21,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -65,17 +66,23 @@ def _reason(exc: BaseException) -> str:
     return first_line(exc)
 
 
-def _finish(tmp: Path, final: Path, run: str) -> None:
-    """Rank 0: list the files with their sizes and checksums, then move the folder into place.
-    Every file DCP's metadata names must be here: a checkpoint dir that is not shared between the
-    ranks (each node wrote its part to its own disk) cannot be sealed."""
+def _file_records(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Each file's size and checksum. Every file DCP's metadata names must be there: a checkpoint
+    dir that is not shared between the ranks (each node wrote its part to its own disk) cannot be
+    sealed."""
     named = {info.relative_path for info in dcp.FileSystemReader(str(tmp)).read_metadata().storage_data.values()}
     if missing := sorted(named - {p.name for p in tmp.iterdir()}):
         raise OSError(
             f"{len(missing)} part(s) written by other ranks are not in {tmp} ({missing[0]}, ...): the checkpoint "
             "dir must be shared storage for --checkpoint-format dcp"
         )
-    files = {p.name: {"size": p.stat().st_size, **checksum.of_file(p)} for p in sorted(tmp.iterdir())}
+    return {p.name: {"size": p.stat().st_size, **checksum.of_file(p)} for p in sorted(tmp.iterdir())}
+
+
+def _finish(tmp: Path, final: Path, run: str, files: dict[str, dict[str, Any]] | None = None) -> None:
+    """Rank 0: write the marker (the file records, computed here unless given), fsync, and move
+    the folder into place."""
+    files = _file_records(tmp) if files is None else files
     with os.fdopen(fsutil.create_exclusive(tmp / MARKER), "w") as f:
         json.dump({"files": files, "run": run}, f)
         f.flush()
@@ -147,16 +154,28 @@ def reusable_stager() -> DefaultStager:
 
 class Pending:
     """A save in flight (``--save-mode async``): each rank's part is written by a thread that uses
-    its own gloo group; ``wait`` then seals the folder on rank 0 and calls ``after`` there."""
+    its own gloo group. On rank 0 a second thread checksums the files as soon as the write is
+    done, off the loop's path; ``wait`` then seals the folder there and calls ``after``."""
 
     def __init__(self, future: Future[Any], tmp: Path, final: Path, after: Callable[[Path], None], run: str) -> None:
         self.future, self.tmp, self.final, self.after, self.run = future, tmp, final, after, run
+        self.sealing = not _distributed() or dist.get_rank() == 0
+        self.files: dict[str, dict[str, Any]] | None = None
+        self.records = threading.Thread(target=self._record, name="ddpjob-dcp-checksums", daemon=True)
+        if self.sealing:
+            self.records.start()
+
+    def _record(self) -> None:
+        with contextlib.suppress(BaseException):  # wait() sees the write's own error, or recomputes
+            self.future.result()
+            self.files = _file_records(self.tmp)
 
     def wait(self) -> None:
         try:
             self.future.result()  # on rank 0 this returns once DCP's metadata, written last, is there
-            if not _distributed() or dist.get_rank() == 0:
-                _finish(self.tmp, self.final, self.run)
+            if self.sealing:
+                self.records.join()
+                _finish(self.tmp, self.final, self.run, self.files)
                 self.after(self.final)
         except (OSError, RuntimeError, CheckpointException) as exc:
             raise _storage_error(self.final, exc) from None
