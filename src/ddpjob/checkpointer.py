@@ -87,6 +87,12 @@ def has_manifest(path: Path) -> bool:
     return (path / sharded.MARKER if path.is_dir() else checkpoint.manifest_path(path)).exists()
 
 
+def checkable(path: Path) -> bool:
+    """Whether path is held to an integrity record: a DCP folder always (ddpjob's marker), a file
+    when it has a manifest (a plain state dict from elsewhere has none)."""
+    return path.is_dir() or has_manifest(path)
+
+
 def complete(directory: Path) -> list[tuple[int, Path]]:
     """Checkpoints whose save finished (they have a manifest), newest first, without reading them."""
     return [(s, p) for s, p in list_steps(directory) if has_manifest(p)]
@@ -200,7 +206,7 @@ def given(name: str, flag: str, share: tuple[int, int] | None = FULL) -> Path:
     path = Path(name)
     if not path.exists():
         raise UsageError(f"{flag} {path} does not exist; check the path")
-    if (has_manifest(path) or path.is_dir()) and (reason := verify(path, share)):
+    if checkable(path) and (reason := verify(path, share)):
         raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
     return path
 
@@ -278,7 +284,7 @@ class Checkpointer:
         choice = Choice(None, False, "")
         if self.env.is_main:
             try:
-                if not self.lock_fd:
+                if self.lock_fd is None:
                     self._prepare_dir()
                 choice = choose(self.cfg, None if together else FULL, skip)
                 if choice.path and choice.path.is_dir() and self.cfg.load_mode == "rank0" and self.distributed:

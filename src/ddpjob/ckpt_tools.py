@@ -50,7 +50,7 @@ def inspect(path: Path, show: int = 50) -> list[str]:
     raw_keys = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), Mapping)), obj)
     weights = model_state(obj, str(path))
     prefixes = sorted({p for k in raw_keys for p in WRAPPER_PREFIXES if k.startswith(p)})
-    integrity = checkpointer.verify(path) if checkpointer.has_manifest(path) or path.is_dir() else "no manifest"
+    integrity = checkpointer.verify(path) if checkpointer.checkable(path) else "no manifest"
     params = sum(t.numel() for t in weights.values())
     lines = [
         f"file:       {path} ({size_of(path) / 2**20:.2f} MiB)",
