@@ -396,8 +396,10 @@ class Checkpointer:
             if name not in in_place and name in resumed:
                 obj.load_state_dict(resumed[name])
         rng_states = resumed["rng"]
-        if len(rng_states) == world_size:  # at another world size, reseeded streams are the best we can do
+        if len(rng_states) == world_size:
             rng.set_state(rng_states[rank])
+        else:  # no stream to continue: fresh ones, the same for every resume of this step at this size
+            rng.seed_all(rng.derived_seed(self.cfg.seed, int(resumed.get("step", 0)), rank))
         return resumed
 
     # ---- save ----------------------------------------------------------------------------------

@@ -34,6 +34,11 @@ class Config:
     max_steps: int = _opt(0, "stop after this many optimizer steps (0: no limit)")
     batch_size: int = _opt(32, "samples per process per micro-batch")
     grad_accum: int = _opt(1, "micro-batches per optimizer step (DDP syncs only on the last)")
+    global_batch_size: int = _opt(
+        0,
+        "samples per optimizer step over all processes; set, it fixes the run at any world size (grad accumulation "
+        "= it / (batch size x processes)); 0: batch size x grad accum x processes",
+    )
     lr: float = _opt(3e-3, "AdamW learning rate (cosine decay to 0 over the run)")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     seed: int = _opt(0, "seed for weights, data order and every RNG")
@@ -78,12 +83,13 @@ class Config:
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
     heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
     # node level (ddpjob launch)
-    nnodes: int = _opt(0, "nodes in the job (0: from the scheduler, else 1)")
+    nnodes: str = _opt("", "nodes in the job: N, or MIN:MAX for elastic training (empty: from the scheduler, else 1)")
     node_rank: int = _opt(-1, "this node's rank (-1: from the scheduler, else 0)")
     nproc_per_node: int = _opt(0, "worker processes per node (0: visible GPUs, else 1)")
     rdzv_endpoint: str = _opt("", "HOST[:PORT] of the rendezvous (default: from the scheduler, else localhost)")
     rdzv_id: str = _opt("", "rendezvous id shared by all nodes (default: the scheduler's job id)")
     rdzv_timeout: int = _opt(300, "seconds to wait for all nodes at rendezvous")
+    elastic_wait: int = _opt(10, "elastic (--nnodes MIN:MAX): seconds to wait for more nodes once MIN have joined")
     max_restarts: int = _opt(0, "restarts of the worker group after a failure")
     shutdown_timeout: int = _opt(120, "seconds torchrun waits after a stop signal for workers to checkpoint and exit")
 
@@ -95,11 +101,28 @@ class Config:
     def metrics_path(self) -> Path:
         return Path(self.metrics or Path(self.run_dir) / "metrics.jsonl")
 
+    @property
+    def node_range(self) -> tuple[int, int] | None:
+        """(MIN, MAX) nodes from --nnodes (N: (N, N)); None when not given."""
+        return parse_nodes(self.nnodes, flag("nnodes")) if self.nnodes else None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 FIELDS = {f.name: f for f in fields(Config)}
+
+
+def parse_nodes(raw: str, where: str) -> tuple[int, int]:
+    """'N' -> (N, N); 'MIN:MAX' -> (MIN, MAX), as torchrun's --nnodes; UsageError otherwise."""
+    low, _, high = raw.strip().partition(":")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        nodes = (0, 0)
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise UsageError(f"{where}={raw!r} must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 2 or 1:4")
+    return nodes
 
 
 def flag(name: str) -> str:
@@ -182,6 +205,7 @@ def validate(cfg: Config) -> None:
         "grad_accum",
         "keep",
         "log_every",
+        "elastic_wait",
         "stop_check_every",
         "rdzv_timeout",
         "shutdown_timeout",
@@ -189,14 +213,22 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise UsageError(f"{flag(name)} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("max_steps", "save_every", "num_workers", "max_restarts", "nnodes", "nproc_per_node", "heartbeat"):
+    for name in ("max_steps", "save_every", "num_workers", "max_restarts", "nproc_per_node", "heartbeat"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
     for name in ("lr", "collective_timeout", "save_timeout", "fs_timeout"):
         if getattr(cfg, name) <= 0:
             raise UsageError(f"{flag(name)} must be positive, got {getattr(cfg, name)}")
-    if cfg.node_rank < -1 or (cfg.nnodes and cfg.node_rank >= cfg.nnodes):
-        raise UsageError(f"--node-rank {cfg.node_rank} is outside 0..{max(cfg.nnodes, 1) - 1}")
+    if cfg.global_batch_size < 0:
+        raise UsageError(f"--global-batch-size must be 0 or more, got {cfg.global_batch_size}")
+    if cfg.global_batch_size and cfg.global_batch_size % cfg.batch_size:
+        raise UsageError(
+            f"--global-batch-size {cfg.global_batch_size} is not a multiple of --batch-size {cfg.batch_size}; "
+            "choose a global batch that splits into whole micro-batches"
+        )
+    max_nodes = cfg.node_range[1] if cfg.node_range else 0
+    if cfg.node_rank < -1 or (max_nodes and cfg.node_rank >= max_nodes):
+        raise UsageError(f"--node-rank {cfg.node_rank} is outside 0..{max(max_nodes, 1) - 1}")
     for name in ("model", "data"):
         spec = getattr(cfg, name)
         if ":" not in spec or spec.startswith(":") or spec.endswith(":"):

@@ -192,7 +192,7 @@ def run(cfg: Config, plan: Plan, brief: bool = False) -> list[Finding]:
         Finding(
             "ok",
             "topology",
-            f"scheduler {plan.scheduler} ({plan.why}); node {node} of {plan.nnodes}, "
+            f"scheduler {plan.scheduler} ({plan.why}); node {node} of {plan.nodes}, "
             f"{plan.nproc_per_node} processes per node, host {socket.gethostname()}",
         )
     ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shlex
 import shutil
@@ -25,14 +24,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
 from ddpjob import config, doctor
+from ddpjob.config import parse_nodes
 from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
 from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError, first_line
+from ddpjob.metrics import append_attempt
 from ddpjob.plan import Plan
 from ddpjob.plugins import load_callable
 from ddpjob.rendezvous_watch import RendezvousWatch
@@ -133,14 +133,16 @@ def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
             env.get("PET_RDZV_ENDPOINT")
             or f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', DEFAULT_MASTER_PORT)}"
         )
+        low, high = parse_nodes(env["PET_NNODES"], "PET_NNODES")
         return Plan(
             "kubeflow",
             "PET_NNODES is set (Kubeflow PyTorchJob/Trainer)",
-            _int(env, "PET_NNODES"),
+            high,
             node_rank,
             endpoint,
             env.get("PET_RDZV_ID", "ddpjob"),
             int(nproc) if nproc.isdigit() else cuda_devices or 1,
+            low,
         )
     if "SLURM_JOB_ID" in env and "SLURM_NNODES" in env and "SLURM_NODEID" in env:
         job = _int(env, "SLURM_JOB_ID")
@@ -162,7 +164,7 @@ def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
         return Plan(
             "kubernetes",
             f"JOB_COMPLETION_INDEX is set (Indexed Job); head pod {head}",
-            _int(env, "DDPJOB_NNODES") if env.get("DDPJOB_NNODES") else 1,
+            parse_nodes(env["DDPJOB_NNODES"], "DDPJOB_NNODES")[1] if env.get("DDPJOB_NNODES") else 1,
             _int(env, "JOB_COMPLETION_INDEX"),
             f"{head}:{DEFAULT_MASTER_PORT}",
             env["JOB_NAME"],
@@ -175,8 +177,8 @@ def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
 
 def resolve_plan(cfg: config.Config, env: Mapping[str, str], cuda_devices: int) -> Plan:
     plan = detect(env, cuda_devices)
-    if cfg.nnodes:
-        plan.nnodes = cfg.nnodes
+    if cfg.node_range:
+        plan.min_nodes, plan.nnodes = cfg.node_range
     if cfg.node_rank >= 0:
         plan.node_rank = cfg.node_rank
     if cfg.rdzv_endpoint:
@@ -218,11 +220,12 @@ def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> 
         # torchrun matches the endpoint against this host's names and addresses instead.
         host = "" if plan.node_rank is None else f"is_host={int(plan.node_rank == 0)},"
         args += [
-            f"--nnodes={plan.nnodes}",
+            f"--nnodes={plan.nodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={plan.endpoint}",
             f"--rdzv-id={plan.rdzv_id}",
-            f"--rdzv-conf={host}join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}",
+            f"--rdzv-conf={host}join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}"
+            + (f",last_call_timeout={cfg.elastic_wait}" if plan.elastic else ""),
         ]
     return [*args, "-m", "ddpjob", "train", *train_argv]
 
@@ -242,7 +245,7 @@ def main(argv: Sequence[str]) -> int:
     train_argv = [a for a in argv if a != "--dry-run"]
     cmd = torchrun_args(cfg, plan, train_argv)
     print(
-        f"[ddpjob] launch: scheduler={plan.scheduler} ({plan.why}); node {plan.node_rank}/{plan.nnodes}, "
+        f"[ddpjob] launch: scheduler={plan.scheduler} ({plan.why}); node {plan.node_rank}/{plan.nodes}, "
         f"{plan.nproc_per_node} proc/node, rendezvous {plan.endpoint or 'standalone'}",
         flush=True,
     )
@@ -361,7 +364,7 @@ def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float, shutdown_timeo
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # elastic restarts after a SIGKILLed worker
-    watch = RendezvousWatch(plan.endpoint, plan.rdzv_id, plan.nnodes, rdzv_timeout)
+    watch = RendezvousWatch(plan.endpoint, plan.rdzv_id, plan.min_nodes or plan.nnodes, rdzv_timeout)
     stops = StopSignals(shutdown_timeout)
     try:
         with stops.installed(HANDLED_SIGNALS), watch if plan.endpoint else contextlib.nullcontext():
@@ -375,7 +378,7 @@ def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float, shutdown_timeo
     except RendezvousError as exc:
         detail = first_line(exc)
         return EXIT_FAILED, (
-            f"rendezvous at {plan.endpoint} for {plan.nnodes} nodes failed ({detail}): {watch.summary()} "
+            f"rendezvous at {plan.endpoint} for {plan.nodes} nodes failed ({detail}): {watch.summary()} "
             f"within the {rdzv_timeout} s rendezvous timeout; check that every node started and can reach "
             f"{plan.endpoint} (node 0 hosts the store)"
         )
@@ -383,16 +386,11 @@ def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float, shutdown_timeo
 
 
 def record_attempt(cfg: config.Config, plan: Plan, **fields: object) -> None:
-    """One line per node and attempt in RUN_DIR/attempts.jsonl (appended, never truncated)."""
-    path = os.path.join(cfg.run_dir, "attempts.jsonl")
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    record = {
-        "time": round(time.time(), 3),
-        "host": socket.gethostname(),
-        "node_rank": plan.node_rank,
-        "scheduler": plan.scheduler,
-        "requeue": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+    """One line per node and attempt in RUN_DIR/attempts.jsonl."""
+    append_attempt(
+        cfg.run_dir,
+        node_rank=plan.node_rank,
+        scheduler=plan.scheduler,
+        requeue=int(os.environ.get("SLURM_RESTART_COUNT", 0)),
         **fields,
-    }
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    )

@@ -8,6 +8,8 @@ no per-step host sync.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -52,8 +54,8 @@ class Metrics:
                 if key not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
                     self.tb.add_scalar(f"{record['event']}/{key}", value, record["step"])
 
-    def step(self, step: int, epoch: int, loss: torch.Tensor) -> None:
-        """Called every optimizer step with the step's loss tensor (not read back here)."""
+    def step(self, step: int, epoch: int, loss: torch.Tensor, lr: float) -> None:
+        """Called every optimizer step with the step's loss tensor (not read back here) and the LR it used."""
         if not self.enabled:
             return
         if self.loss_sum is None:
@@ -79,6 +81,7 @@ class Metrics:
             step=step,
             epoch=epoch,
             loss=loss_value,
+            lr=lr,
             steps_per_s=rate,
             samples_per_s=rate * self.samples_per_step,
             **extra,
@@ -104,3 +107,12 @@ class Metrics:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def append_attempt(run_dir: str, **fields: Any) -> None:
+    """A line in RUN_DIR/attempts.jsonl, the record of every node's attempts and membership changes
+    (appended by every node, never truncated): time, host and ``fields``."""
+    os.makedirs(run_dir, exist_ok=True)
+    record = {"time": round(time.time(), 3), "host": socket.gethostname(), **fields}
+    with open(os.path.join(run_dir, "attempts.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")

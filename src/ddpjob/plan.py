@@ -13,8 +13,18 @@ from dataclasses import dataclass
 class Plan:
     scheduler: str
     why: str
-    nnodes: int
+    nnodes: int  # the most nodes (MAX of an elastic MIN:MAX)
     node_rank: int | None  # None: assigned at rendezvous (replicated compose service)
     endpoint: str  # host:port of the rendezvous, "" for a standalone single node
     rdzv_id: str
     nproc_per_node: int
+    min_nodes: int = 0  # elastic: fewest nodes to train with (0: nnodes, a fixed size)
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
+
+    @property
+    def nodes(self) -> str:
+        """torchrun's --nnodes: N, or MIN:MAX when elastic."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)

@@ -5,6 +5,7 @@ States are stored as tensors and plain types so that ``torch.load(weights_only=T
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -16,6 +17,11 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def derived_seed(*parts: int) -> int:
+    """A 64-bit seed from several numbers (seed, step, rank): distinct streams, stable across runs."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little")
 
 
 def get_state() -> dict[str, Any]:

@@ -12,6 +12,7 @@ import gc
 import hashlib
 import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -21,45 +22,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from ddpjob import rng
+from ddpjob.batching import Batching, EpochSampler
 from ddpjob.checkpointer import Checkpointer, Loaded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, UsageError, exit_code_for, first_line
 from ddpjob.logs import start_heartbeat
-from ddpjob.metrics import Metrics
+from ddpjob.metrics import Metrics, append_attempt
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
+from ddpjob.schedule import Schedule
 from ddpjob.weights import load_weights, model_state, unwrap
 
 
 @dataclass
 class Progress:
-    """Where training is: optimizer steps done, current epoch, micro-batches of it consumed."""
+    """Where training is: optimizer steps done, current epoch, samples of its order consumed (all ranks)."""
 
     step: int = 0
     epoch: int = 0
-    batch: int = 0
+    sample: int = 0
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.epoch, self.batch = state["step"], state["epoch"], state["batch"]
-
-
-class ResumableSampler(DistributedSampler[Any]):
-    """DistributedSampler that can start mid-epoch, at sample ``start`` of this rank's share."""
-
-    start = 0
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(list(super().__iter__())[self.start :])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
+        self.step, self.epoch, self.sample = state["step"], state["epoch"], state.get("sample", -1)
 
 
 def pick_device(cfg: Config, env: DistEnv) -> torch.device:
@@ -170,6 +161,34 @@ def evaluate(
     return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
 
 
+def report_resize(
+    cfg: Config, env: DistEnv, metrics: Metrics, resumed: dict[str, Any], batching: Batching, step: int
+) -> None:
+    """A resume at another world size (a node lost or added): one line, and a record in metrics.jsonl
+    and attempts.jsonl with the old and new world size and the step."""
+    old, saved = int(resumed["world_size"]), resumed.get("config", {})
+    old_batch = saved.get("global_batch_size") or saved.get("batch_size", 0) * saved.get("grad_accum", 1) * old
+    metrics.write(
+        event="resize", step=step, old_world_size=old, world_size=env.world_size, global_batch=batching.global_batch
+    )
+    if not env.is_main:
+        return
+    append_attempt(cfg.run_dir, event="resize", step=step, old_world_size=old, world_size=env.world_size)
+    line = f"[ddpjob] world size {old} -> {env.world_size} at step {step}: "
+    if old_batch == batching.global_batch:
+        print(
+            line + f"global batch {batching.global_batch} kept ({batching.grad_accum} micro-batch(es) per step)",
+            flush=True,
+        )
+    else:
+        print(
+            line + f"warning: the global batch changes {old_batch} -> {batching.global_batch}, and with it the steps "
+            "per epoch and the LR schedule's length; set --global-batch-size to keep the run the same at any world size",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 _PEER_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|pair closure|timed out", re.IGNORECASE)
 
 
@@ -240,7 +259,8 @@ def train(
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
 
-    sampler = ResumableSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed)
+    batching = Batching.of(cfg, env.world_size)
+    sampler = EpochSampler(len(train_set), batching, env.rank, cfg.seed)  # type: ignore[arg-type]
     loader_rng = torch.Generator()
     loader = DataLoader(
         train_set,
@@ -252,62 +272,69 @@ def train(
         persistent_workers=cfg.num_workers > 0,
         pin_memory=device.type == "cuda",
     )
-    steps_per_epoch = sampler.num_samples // cfg.batch_size // cfg.grad_accum
+    steps_per_epoch = batching.steps_per_epoch(len(train_set))  # type: ignore[arg-type]
     if steps_per_epoch == 0:
         raise UsageError(
-            f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum} exceeds the {sampler.num_samples} "
-            "samples each rank gets per epoch; lower them"
+            f"a global batch of {batching.global_batch} samples (--batch-size {cfg.batch_size} x {batching.grad_accum} "
+            f"micro-batches x {env.world_size} processes) exceeds the {len(train_set)} samples of an epoch; lower it"  # type: ignore[arg-type]
         )
     schedule_steps = steps_per_epoch * cfg.epochs  # the LR schedule ignores --max-steps, so stopping early
     total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
+    schedule = Schedule(optimizer, schedule_steps)
     progress = Progress()
-    checkpointer.attach(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress)
     resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
         checkpointer.last_saved = progress.step
+        if progress.sample < 0:  # written before the global cursor: micro-batches per rank
+            legacy = resumed["progress"]["batch"] * resumed["config"]["batch_size"] * resumed["world_size"]
+            progress.sample = legacy
+    schedule.set(progress.step)  # the LR of this run's schedule at this step, whatever the checkpoint held
 
-    samples_per_step = cfg.batch_size * cfg.grad_accum * env.world_size
-    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, samples_per_step, cfg.log_every, cfg.tensorboard)
+    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, batching.global_batch, cfg.log_every, cfg.tensorboard)
     metrics.start(
         progress.step,
         resumed_from=str(loaded.path) if resumed and loaded else None,
         world_size=env.world_size,
+        global_batch=batching.global_batch,
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     )
+    if resumed and resumed.get("world_size", env.world_size) != env.world_size:
+        report_resize(cfg, env, metrics, resumed, batching, progress.step)
     bf16 = cfg.precision == "bf16" and device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     heartbeat = start_heartbeat(cfg.heartbeat, lambda: progress.step) if cfg.heartbeat else None
     loss_fn = nn.CrossEntropyLoss()
-    batches_per_epoch = steps_per_epoch * cfg.grad_accum
+    accum = batching.grad_accum
     exit_code, start_time = EXIT_OK, time.perf_counter()
     gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short
 
     try:
         while progress.epoch < cfg.epochs and progress.step < total_steps:
             sampler.set_epoch(progress.epoch)
-            sampler.start = progress.batch * cfg.batch_size
+            sampler.cursor = progress.sample
             loader_rng.manual_seed(cfg.seed * 100_003 + progress.epoch)
+            micro = 0
             for x, y in loader:
-                if progress.batch >= batches_per_epoch:
-                    break
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                progress.batch += 1
-                sync_now = progress.batch % cfg.grad_accum == 0
+                micro += 1
+                sync_now = micro == accum
                 no_sync = model.no_sync() if isinstance(model, DDP) and not sync_now else contextlib.nullcontext()
                 with no_sync:
                     with autocast:
                         loss = loss_fn(model(x), y)
-                    (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
+                    (loss / accum if accum > 1 else loss).backward()
                 if not sync_now:
                     continue
+                micro = 0
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
-                metrics.step(progress.step, progress.epoch, loss)
+                progress.sample += batching.global_batch
+                metrics.step(progress.step, progress.epoch, loss, schedule.lr)
+                schedule.set(progress.step)
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
                     checkpointer.save(progress.step, progress.epoch)
@@ -320,8 +347,8 @@ def train(
                     return exit_code
                 if progress.step >= total_steps:
                     break
-            if progress.batch >= batches_per_epoch:  # epoch finished: evaluate, move on
-                if val_set is not None:
+            if not batching.steps_left(len(train_set), progress.sample):  # type: ignore[arg-type]
+                if val_set is not None:  # epoch finished: evaluate, move on
                     result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
                     metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
                     if env.is_main:
@@ -330,7 +357,7 @@ def train(
                             f"val_loss {result['val_loss']:.4f}",
                             flush=True,
                         )
-                progress.epoch, progress.batch = progress.epoch + 1, 0
+                progress.epoch, progress.sample = progress.epoch + 1, 0
 
         stop.finish()
         if checkpointer.last_saved != progress.step:
