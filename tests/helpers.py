@@ -111,6 +111,30 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def samples_by_step(run_dir: Path, samples_dir: Path) -> dict[int, list[int]]:
+    """Optimizer step -> the sorted sample indices it trained on, from the files of the
+    tests/plugins/recording.py data and the run's 'start' records: each process belongs to the
+    newest start before its first fetch, fetches global_batch / world_size samples per step from
+    that start's step on, and counts only up to the next start's step (later work was redone)."""
+    starts = [r for r in records(run_dir) if r["event"] == "start"]
+    seen: dict[int, list[int]] = {}
+    for path in samples_dir.glob("*.txt"):
+        first = int(path.name.split("-")[0]) / 1e9
+        index = max(i for i, s in enumerate(starts) if s["time"] <= first + 2.0)
+        start, after = starts[index], starts[index + 1]["step"] if index + 1 < len(starts) else None
+        per_step = start["global_batch"] // start["world_size"]
+        for k, line in enumerate(path.read_text().split()):
+            step = start["step"] + 1 + k // per_step
+            if after is None or step <= after:
+                seen.setdefault(step, []).append(int(line))
+    return {step: sorted(ids) for step, ids in sorted(seen.items())}
+
+
+def lr_by_step(run_dir: Path) -> dict[int, float]:
+    """Optimizer step -> the LR it used (the last record of a step that was trained twice)."""
+    return {r["step"]: r["lr"] for r in records(run_dir) if r["event"] == "train"}
+
+
 def trained_steps(run_dir: Path) -> int:
     return max((r["step"] for r in records(run_dir) if r["event"] == "train"), default=0)
 

@@ -1,0 +1,35 @@
+"""Test plug-in: the digits data, recording every training sample index a process fetches.
+
+Each process appends the indices it reads, in order, to TEST_SAMPLES_DIR/<time_ns>-<pid>-rank<R>.txt
+(the time of its first fetch names the file), so a test can tell which samples each optimizer step
+saw. Use with --num-workers 0: the loader then fetches each micro-batch when the loop asks for it.
+"""
+
+import os
+import time
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from ddpjob import plugins
+
+
+class Recording(Dataset):
+    def __init__(self, base: Any) -> None:
+        self.base = base
+        self.file: Any = None
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> Any:
+        if self.file is None:
+            name = f"{time.time_ns()}-{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt"
+            self.file = open(os.path.join(os.environ["TEST_SAMPLES_DIR"], name), "a", buffering=1)  # noqa: SIM115
+        self.file.write(f"{index}\n")
+        return self.base[index]
+
+
+def digits() -> tuple[Recording, Any]:
+    train, val = plugins.digits()
+    return Recording(train), val
