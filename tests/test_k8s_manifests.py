@@ -2,8 +2,10 @@
 and validates against the official schemas (and the Kubeflow / JobSet CRD schemas); security,
 network and failure policies are as documented."""
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -13,7 +15,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_VERSION = "1.33.0"
-VARIANTS = ["overlays/cpu", "overlays/gpu", "kubeflow", "jobset"]
+VARIANTS = ["overlays/cpu", "overlays/gpu", "kubeflow", "kubeflow-elastic", "jobset"]
 CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "JobSet": "jobset.x-k8s.io_jobsets.yaml"}
 # The label each controller puts on every pod of a workload, with the workload's name as its value.
 POD_LABEL = {
@@ -161,3 +163,87 @@ def test_compose_drops_capabilities_forbids_new_privileges_and_runs_an_init():
         assert service["init"] is True, name
         assert not service.get("privileged") and not service.get("cap_add"), name
         assert "ports" not in service, f"{name}: the rendezvous port must stay on the private compose network"
+
+
+def operator_env(job: dict, rtype: str, index: int) -> dict[str, str]:
+    """The variables the Kubeflow training-operator adds to a PyTorchJob pod's container, as its
+    release-1.9 controller does (pkg/controller.v1/pytorch: envvar.go setPodEnv, master.go,
+    elastic.go), after its defaulting (pytorch_defaults.go: port 23456 named pytorchjob-port)."""
+    spec, default_port = job["spec"], 23456
+    replicas = {name: r.get("replicas", 1) for name, r in spec["pytorchReplicaSpecs"].items()}
+    nproc = spec.get("nprocPerNode", "auto")
+    env = {"PYTHONUNBUFFERED": "1"}
+    if "Master" in replicas:
+        rank = index + 1 if rtype == "Worker" else index
+        master = f"{job['metadata']['name']}-master-0"
+        env |= {"MASTER_PORT": str(default_port), "PET_MASTER_PORT": str(default_port)}
+        env |= {"MASTER_ADDR": master, "PET_MASTER_ADDR": master}
+        world = sum(replicas.values()) * (int(nproc) if nproc.isdigit() else 1)
+        env |= {"WORLD_SIZE": str(world), "RANK": str(rank), "PET_NODE_RANK": str(rank)}
+    env["PET_NPROC_PER_NODE"] = nproc
+    policy = spec.get("elasticPolicy")
+    if policy is None:
+        return env | {"PET_NNODES": str(sum(replicas.values()))}
+    host = policy.get("rdzvHost", f"{job['metadata']['name']}-worker-0")
+    env["PET_RDZV_ENDPOINT"] = f"{host}:{policy.get('rdzvPort', default_port)}"
+    env["PET_RDZV_BACKEND"] = policy.get("rdzvBackend", "c10d")
+    low = policy.get("minReplicas", policy.get("maxReplicas", replicas["Worker"]))
+    high = policy.get("maxReplicas", low)
+    env["PET_NNODES"] = f"{low}:{high}"
+    if "maxRestarts" in policy:
+        env["PET_MAX_RESTARTS"] = str(policy["maxRestarts"])
+    if "rdzvId" in policy:
+        env["PET_RDZV_ID"] = policy["rdzvId"]
+    if policy.get("rdzvConf"):
+        env["PET_RDZV_CONF"] = ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])
+    return env
+
+
+def launch_dry_run(container: dict, env: dict[str, str], cwd: Path) -> list[str]:
+    """torchrun's arguments as `ddpjob launch --dry-run` derives them in that container's env."""
+    args = [*container["command"][container["command"].index("launch") + 1 :], *container.get("args", [])]
+    env = {"PATH": os.environ["PATH"], "HOME": str(cwd)} | {e["name"]: e["value"] for e in container["env"]} | env
+    launch = [sys.executable, "-m", "ddpjob", "launch", "--dry-run"]
+    proc = subprocess.run([*launch, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("[ddpjob] launch: torchrun "))
+    return line.removeprefix("[ddpjob] launch: torchrun ").split()
+
+
+def test_elastic_pytorchjob_resizes_around_the_master_with_a_global_batch(tmp_path):
+    """The elastic variant: an elasticPolicy the operator turns into PET_NNODES=MIN:MAX with a c10d
+    rendezvous at the Master, which hosts it (node rank 0) and must stay up while Workers come and
+    go; every world size in MIN..MAX trains the same run (--global-batch-size splits at each)."""
+    (job,) = [o for o in render("kubeflow-elastic") if o["kind"] == "PyTorchJob"]
+    policy, replicas = job["spec"]["elasticPolicy"], job["spec"]["pytorchReplicaSpecs"]
+    low, high = policy["minReplicas"], policy["maxReplicas"]
+    assert 1 <= low < high and policy["rdzvBackend"] == "c10d" and policy["maxRestarts"] > 0
+    assert replicas["Master"]["replicas"] == 1 and low <= 1 + replicas["Worker"]["replicas"] <= high
+    assert "metrics" not in policy  # no autoscaler: it would scale Workers up to maxReplicas, one node too many
+
+    pods = [("Master", 0), ("Worker", 0), ("Worker", high - 2)]  # the last: a Worker a scale-up adds
+    runs = {}
+    for rtype, index in pods:
+        (container,) = replicas[rtype]["template"]["spec"]["containers"]
+        assert "--nnodes" not in container.get("args", []) and not any(
+            e["name"] == "DDPJOB_NNODES" for e in container["env"]
+        ), "the node range must come from the operator's PET_NNODES, not the manifest"
+        env = operator_env(job, rtype, index)
+        assert env["PET_NNODES"] == f"{low}:{high}"
+        runs[rtype, index] = launch_dry_run(container, env, tmp_path)
+
+    for (rtype, index), cmd in runs.items():
+        opts = dict(a.removeprefix("--").split("=", 1) for a in cmd[: cmd.index("-m")])
+        assert opts["nnodes"] == f"{low}:{high}" and opts["rdzv-backend"] == "c10d"
+        assert opts["rdzv-endpoint"] == f"{job['metadata']['name']}-master-0:{policy['rdzvPort']}"
+        conf = dict(kv.split("=") for kv in opts["rdzv-conf"].split(","))
+        assert conf["is_host"] == str(int(rtype == "Master")), (rtype, index, conf)  # the Master hosts the store
+        assert "last_call_timeout" in conf
+        assert int(opts["max-restarts"]) == policy["maxRestarts"], "launch ignores PET_MAX_RESTARTS: set both"
+        train = cmd[cmd.index("train") + 1 :]
+        flags = dict(zip(train[::2], train[1::2], strict=True))
+        assert "--global-batch-size" in flags, f"without it a resize changes the run: {train}"
+        global_batch, batch = int(flags["--global-batch-size"]), int(flags["--batch-size"])
+        nproc = int(opts["nproc-per-node"])
+        for nodes in range(low, high + 1):  # else a resize to that many nodes exits 2
+            assert global_batch % (batch * nodes * nproc) == 0, f"{global_batch} does not split on {nodes} nodes"
