@@ -3,13 +3,17 @@ processes continues the same run. With --global-batch-size fixed, every step tra
 samples an uninterrupted run's step does, at the same LR, and the parameters match within float
 tolerance (the gradient sums run in another order, so bitwise cannot hold)."""
 
+import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from ddpjob import checkpoint, checkpointer, sharded
-from helpers import lr_by_step, ok, records, samples_by_step, torchrun
+from helpers import free_port, lr_by_step, ok, records, samples_by_step, spawn, torchrun, trained_steps, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -100,3 +104,75 @@ def test_without_a_global_batch_size_a_new_world_size_warns_that_the_run_changes
     out = ok(torchrun(job, tmp_path, nproc=1))
     assert "world size 2 -> 1 at step 10: warning: the global batch changes 32 -> 16" in out
     assert "--global-batch-size" in out
+
+
+# Elastic: real agents (`ddpjob launch`, one worker each) on one rendezvous, nodes lost and added.
+ELASTIC = [
+    *JOB[2:],
+    "--data",
+    "tests.plugins.recording:digits(delay=0.004)",  # ~0.13 s per step at 2 processes: time to act mid-run
+    "--epochs",
+    "4",
+    "--stop-check-every",
+    "1",
+    *GLOBAL,
+]
+ELASTIC_STEPS = 88
+
+
+@pytest.fixture(scope="module")
+def elastic_reference(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("elastic-whole")
+    trained_as(work, ELASTIC, 2)
+    return work
+
+
+def trained_as(work: Path, job: list[str], nproc: int) -> str:
+    samples = work / "samples"
+    samples.mkdir(exist_ok=True)
+    return ok(torchrun(job, work, nproc=nproc, timeout=300, TEST_SAMPLES_DIR=str(samples)))
+
+
+def node(work: Path, port: int, rank: int) -> subprocess.Popen[str]:
+    samples = work / "samples"
+    samples.mkdir(exist_ok=True)
+    flags = ["--nnodes", "1:2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    flags += ["--max-restarts", "3", "--elastic-wait", "2", "--nproc-per-node", "1"]
+    return spawn(["launch", *flags, *ELASTIC], work, TEST_SAMPLES_DIR=str(samples))
+
+
+def assert_same_run(work: Path, reference: Path, sizes: list[int]) -> None:
+    run_dir, whole = work / "runs/ddpjob", reference / "runs/ddpjob"
+    starts = [r["world_size"] for r in records(run_dir) if r["event"] == "start"]
+    assert starts[0] == sizes[0] and starts[-1] == sizes[-1], starts
+    resizes = [(r["old_world_size"], r["world_size"]) for r in records(run_dir) if r["event"] == "resize"]
+    assert resizes and resizes[0] == (sizes[0], sizes[1]), resizes
+    attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["old_world_size"], a["world_size"]) for a in attempts if a.get("event") == "resize"] == resizes
+    seen, expected = samples_by_step(run_dir, work / "samples"), samples_by_step(whole, reference / "samples")
+    assert list(expected) == list(range(1, ELASTIC_STEPS + 1))
+    assert seen == expected
+    assert lr_by_step(run_dir) == lr_by_step(whole)
+    ours, theirs = model_state(run_dir), model_state(whole)
+    worst = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    assert worst <= ATOL, f"parameters differ by {worst:g}"
+
+
+def test_a_node_lost_mid_run_leaves_the_other_to_finish_the_same_run_alone(tmp_path, elastic_reference):
+    port, run_dir = free_port(), tmp_path / "runs/ddpjob"
+    nodes = [node(tmp_path, port, rank) for rank in (0, 1)]
+    wait_until(lambda: trained_steps(run_dir) >= 12, 120, "step 12")
+    os.kill(nodes[1].pid, signal.SIGKILL)  # the whole agent: its worker follows it (parent-death signal)
+    out = nodes[0].communicate(timeout=300)[0]
+    assert nodes[0].returncode == 0, out[-3000:]
+    assert_same_run(tmp_path, elastic_reference, [2, 1])
+
+
+def test_a_node_joining_mid_run_grows_the_group_which_finishes_the_same_run(tmp_path, elastic_reference):
+    port, run_dir = free_port(), tmp_path / "runs/ddpjob"
+    first = node(tmp_path, port, 0)
+    wait_until(lambda: trained_steps(run_dir) >= 8, 120, "step 8")
+    second = node(tmp_path, port, 1)
+    outs = [n.communicate(timeout=300)[0] for n in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], [o[-3000:] for o in outs]
+    assert_same_run(tmp_path, elastic_reference, [1, 2])

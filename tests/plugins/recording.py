@@ -15,8 +15,8 @@ from ddpjob import plugins
 
 
 class Recording(Dataset):
-    def __init__(self, base: Any) -> None:
-        self.base = base
+    def __init__(self, base: Any, delay: float) -> None:
+        self.base, self.delay = base, delay
         self.file: Any = None
 
     def __len__(self) -> int:
@@ -27,9 +27,11 @@ class Recording(Dataset):
             name = f"{time.time_ns()}-{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt"
             self.file = open(os.path.join(os.environ["TEST_SAMPLES_DIR"], name), "a", buffering=1)  # noqa: SIM115
         self.file.write(f"{index}\n")
+        time.sleep(self.delay)
         return self.base[index]
 
 
-def digits() -> tuple[Recording, Any]:
+def digits(delay: float = 0.0) -> tuple[Recording, Any]:
+    """``delay``: seconds of sleep per sample fetched, so a test can act mid-run."""
     train, val = plugins.digits()
-    return Recording(train), val
+    return Recording(train, delay), val
