@@ -116,3 +116,13 @@ def append_attempt(run_dir: str, **fields: Any) -> None:
     record = {"time": round(time.time(), 3), "host": socket.gethostname(), **fields}
     with open(os.path.join(run_dir, "attempts.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def process_started() -> float:
+    """When this process started (seconds since the epoch, to 10 ms), from /proc; now where there is no /proc."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))

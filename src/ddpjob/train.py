@@ -31,7 +31,7 @@ from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, UsageError, exit_code_for, first_line
 from ddpjob.logs import start_heartbeat
-from ddpjob.metrics import Metrics, append_attempt
+from ddpjob.metrics import Metrics, append_attempt, process_started
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
 from ddpjob.schedule import Schedule
@@ -212,12 +212,13 @@ def run(cfg: Config, env: DistEnv) -> int:
     train_set, val_set = build_data(cfg.data)
     if cfg.strategy == "ddp":
         init_process_group(cfg, env, device)
+    joined = time.time()  # the process group is up (after the rendezvous, on a restart)
     # From here a stop signal is kept, not fatal: loading a checkpoint (waiting for the dir's lock,
     # for shared storage, verifying) can take minutes, and a stop then still ends in a checkpoint.
     # (Before, a blocking rendezvous would hold a handled signal until it returned.)
     stop = StopSignal(cfg.stop_check_every, device)
     try:
-        return train(cfg, env, device, stop, train_set, val_set)
+        return train(cfg, env, device, stop, train_set, val_set, joined)
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
             raise PeerLost(
@@ -241,6 +242,7 @@ def train(
     stop: StopSignal,
     train_set: Dataset[Any],
     val_set: Dataset[Any] | None,
+    joined: float,
 ) -> int:
     if env.is_main:
         print_config(cfg)
@@ -300,6 +302,8 @@ def train(
         world_size=env.world_size,
         global_batch=batching.global_batch,
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        process_started=round(process_started(), 3),  # with this record's time: start-up and load costs
+        group_joined=round(joined, 3),
     )
     if resumed and resumed.get("world_size", env.world_size) != env.world_size:
         report_resize(cfg, env, metrics, resumed, batching, progress.step)
