@@ -1,11 +1,15 @@
-"""`docker compose up` on a real Docker engine: a 2-node CPU job from compose.yaml and .env."""
+"""`docker compose up` on a real Docker engine: a 2-node CPU job from compose.yaml and .env, and the
+elastic recipe (compose.elastic.yaml) as nodes join and leave."""
 
+import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
-from e2e import IMAGE, REPO
+from e2e import IMAGE, REPO, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -98,3 +102,93 @@ def test_containers_run_as_a_non_root_user(docker_env):
         timeout=60,
     )
     assert proc.stdout.strip() == "1000"
+
+
+def volume_dir(env, volume):
+    """Where the engine keeps a volume on this host (the tests run as root beside dockerd)."""
+    out = subprocess.run(
+        ["docker", "volume", "inspect", "-f", "{{.Mountpoint}}", volume], env=env, capture_output=True, text=True
+    )
+    return Path(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def test_compose_elastic_recipe_grows_and_shrinks_and_completes(tmp_path, docker_env):
+    """compose.elastic.yaml as documented: head + 1 node train at world size 2, `up --scale node=2`
+    adds a node (3), `docker stop` of a node takes it away (2), and the job completes at the final
+    step with the same global batch, each change a `resize` record."""
+    name = "ddpjob-e2e-elastic"
+    shutil.copy(REPO / "compose.elastic.yaml", tmp_path / "compose.elastic.yaml")
+    # The test's only addition: a data plug-in that sleeps per sample, so the job lasts ~1.5 s a step.
+    (tmp_path / "compose.test.yaml").write_text(
+        "services:\n"
+        + "".join(
+            f"  {service}:\n    volumes: ['{REPO}/tests/e2e/plugins:/plugins:ro']\n"
+            "    environment: {PYTHONPATH: /plugins}\n"
+            for service in ("head", "node")
+        )
+    )
+    dotenv = (
+        "DDPJOB_EPOCHS=4\nDDPJOB_DATA=slow_digits:digits(delay=0.03)\nDDPJOB_SAVE_EVERY=3\n"
+        "DDPJOB_LOG_EVERY=1\nDDPJOB_STOP_CHECK_EVERY=2\n"
+    )
+    files = ["compose.yaml", "compose.elastic.yaml", "compose.test.yaml"]
+    cmd = [*compose_project(tmp_path, name, dotenv), *(a for f in files for a in ("-f", str(tmp_path / f)))]
+    env = {**docker_env, "COMPOSE_PROJECT_NAME": name}
+    final = 4 * (1437 // 96)  # digits: 1437 training samples, 14 steps of the global batch 96 an epoch
+
+    def logs():
+        out = subprocess.run([*cmd, "logs", "--no-color"], env=env, capture_output=True, text=True)
+        return (out.stdout + out.stderr)[-6000:]
+
+    def metrics():
+        runs = volume_dir(env, f"{name}_runs")
+        return jsonl(runs / "metrics.jsonl") if runs else []
+
+    def started(world):
+        return [r for r in metrics() if r["event"] == "start" and r["world_size"] == world]
+
+    def compose(*args, timeout=120):
+        proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+    def exit_code(container, timeout):
+        proc = subprocess.run(["docker", "wait", container], env=env, capture_output=True, text=True, timeout=timeout)
+        return int(proc.stdout.strip()) if proc.returncode == 0 else proc.stderr
+
+    subprocess.run([*cmd, "down", "--volumes"], env=env, capture_output=True)
+    try:
+        compose("up", "-d", "--no-build")  # head + 1 node
+        try:
+            wait_for(lambda: started(2), 180, "a start at world size 2 (head + node-1)")
+            compose("up", "-d", "--no-build", "--no-recreate", "--scale", "node=2")  # a node joins
+            wait_for(lambda: started(3), 180, "a start at world size 3 after --scale node=2")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{logs()}") from None
+        subprocess.run(["docker", "stop", f"{name}-node-2"], env=env, capture_output=True, timeout=200)
+        head = exit_code(f"{name}-head-1", 400)
+        out = logs()
+        assert head == 0, out
+        assert exit_code(f"{name}-node-2", 10) == 75, out  # it left after the agreed checkpoint
+        assert exit_code(f"{name}-node-1", 60) == 0, out  # it trained on to the end with the head
+
+        runs = volume_dir(env, f"{name}_runs")
+        records = jsonl(runs / "metrics.jsonl")
+        resizes = [(r["old_world_size"], r["world_size"]) for r in records if r["event"] == "resize"]
+        assert (2, 3) in resizes and resizes[-1] == (3, 2), (resizes, out)
+        assert {r["global_batch"] for r in records if r["event"] in ("start", "resize")} == {96}
+        attempts = [r for r in jsonl(runs / "attempts.jsonl") if r.get("event") == "resize"]
+        assert [(r["old_world_size"], r["world_size"]) for r in attempts] == resizes
+        starts = [r for r in records if r["event"] == "start"]
+        print("starts (step, world size):", [(r["step"], r["world_size"]) for r in starts], "resizes:", resizes)
+        assert all(r["resumed_from"] for r in starts[1:]), starts  # every later start resumed, none started over
+        assert max(r["step"] for r in records if r["event"] == "train") == final
+        newest = max((runs / "checkpoints").glob("step-*.pt"), key=lambda p: int(p.stem[5:]))
+        ckpt = torch.load(newest, weights_only=True)
+        assert (newest.name, ckpt["step"], ckpt["world_size"]) == (f"step-{final}.pt", final, 2)
+    finally:
+        subprocess.run([*cmd, "down", "--volumes", "--timeout", "5"], env=env, capture_output=True)
