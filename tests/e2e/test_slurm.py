@@ -1,8 +1,12 @@
-"""`sbatch slurm/train.sbatch` on a real 2-node Slurm cluster (slurmctld + 2 slurmd in namespaces)."""
+"""`sbatch slurm/train.sbatch` (and slurm/train-elastic.sbatch) on a real 2-node Slurm cluster (slurmctld +
+2 slurmd in namespaces)."""
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -15,9 +19,9 @@ from e2e import REPO, wait_for
 pytestmark = pytest.mark.e2e
 
 
-def sbatch(env, *args, options=()):
+def sbatch(env, *args, options=(), script="slurm/train.sbatch"):
     out = subprocess.run(
-        ["sbatch", "--parsable", *options, "slurm/train.sbatch", *args],
+        ["sbatch", "--parsable", *options, script, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -241,3 +245,47 @@ def test_an_array_task_requeues_only_itself(slurm_env, cleanup):
     other = job(slurm_env, f"{array_id}_{spared}")
     assert other["Restarts"] == "0" and other["JobState"] in ("RUNNING", "COMPLETED"), other
     assert not [r for r in records(run_dir(tasks[spared]) / "metrics.jsonl") if r["event"] == "preempted"]
+
+
+def node_of(pid):
+    """SLURM_NODEID of a process, from its environment ('' if gone)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    return next((v[len(b"SLURM_NODEID=") :].decode() for v in environ if v.startswith(b"SLURM_NODEID=")), "")
+
+
+def test_elastic_sbatch_trains_on_when_a_node_dies_and_exits_with_node_0s_code(slurm_env, cleanup):
+    """slurm/train-elastic.sbatch on 2 nodes (1:2; cons_tres grants the minimum of a range here): both train (world size 2); every process of the
+    second node's task is SIGKILLed, as a node failure leaves the step there; node 0 re-forms the
+    group alone from the newest checkpoint and completes, and the job ends COMPLETED with node 0's 0,
+    not with srun's status (which counts the dead node)."""
+    env = {**slurm_env, "PYTHONPATH": str(REPO / "tests/e2e/plugins")}  # slow_digits: ~1.5 s a step at 2 nodes
+    flags = ["--global-batch-size", "96", "--batch-size", "8", "--epochs", "2", "--save-every", "3"]
+    flags += ["--log-every", "1", "--data", "slow_digits:digits(delay=0.03)"]
+    job_id = sbatch(env, *flags, options=["--nodes=2"], script="slurm/train-elastic.sbatch")  # both nodes here
+    cleanup.append(job_id)
+    metrics = run_dir(job_id) / "metrics.jsonl"
+
+    def saved_at_2():  # trained on 2 nodes, with a checkpoint to resume from (--save-every 3)
+        started = any(r["event"] == "start" and r["world_size"] == 2 for r in records(metrics))
+        return started and (run_dir(job_id) / "checkpoints/step-3.pt.sum").is_file()
+
+    wait_for(saved_at_2, 180, f"job {job_id} to train on 2 nodes to a checkpoint")
+    second = [pid for pid in processes_of(job_id) if node_of(pid) == "1"]
+    assert second, "no process of the second node's task"
+    for pid in second:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    state = wait_for(lambda: finished(slurm_env, job_id), 300, f"job {job_id} to finish on node 0")
+    log = output(job_id)
+    assert state == "COMPLETED" and job(slurm_env, job_id)["ExitCode"] == "0:0", log[-4000:]
+    assert "elastic, 1:2 nodes (granted 2)" in log and "--nnodes=1:2" in log
+    assert re.search(r"srun exited with [1-9]\d* \(a node that left\); node 0 exited with 0", log), log[-4000:]
+    recs = records(metrics)
+    assert [(r["old_world_size"], r["world_size"]) for r in recs if r["event"] == "resize"] == [(2, 1)]
+    final = 2 * (1437 // 96)
+    assert max(r["step"] for r in recs if r["event"] == "train") == final
+    assert (run_dir(job_id) / f"checkpoints/step-{final}.pt").is_file()
