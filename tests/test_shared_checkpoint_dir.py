@@ -129,7 +129,8 @@ def test_a_second_job_on_a_live_jobs_checkpoint_dir_stops_at_once_in_one_line(wo
         assert first.poll() is None  # the first job trains on
     finally:
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=120) == 75
+        first.communicate(timeout=120)  # reads its output: a full pipe would block it before its exit
+        assert first.returncode == 75
 
 
 def test_workers_die_with_their_sigkilled_agent_and_the_next_job_takes_over(work):
