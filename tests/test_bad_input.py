@@ -13,6 +13,7 @@ from ddpjob import checkpoint, cli
 from ddpjob.plugins import digits_mlp
 
 DIST = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+ELASTIC = ["launch", "--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:29999", "--nproc-per-node", "1"]
 
 
 class Evil:
@@ -95,6 +96,26 @@ CASES = [
     ),
     ("indexed job without service", ["launch"], {"JOB_COMPLETION_INDEX": "0", "JOB_NAME": "j"}, ["JOB_SERVICE"]),
     ("several nodes, no endpoint", ["launch", "--nnodes", "2"], {}, ["rendezvous endpoint", "--rdzv-endpoint"]),
+    ("node range backwards", ["launch", "--nnodes", "3:2"], {}, ["--nnodes='3:2'", "MIN:MAX"]),
+    (
+        "global batch not whole micro-batches",
+        ["train", "--global-batch-size", "100", "--batch-size", "16"],
+        {},
+        ["--global-batch-size 100", "multiple of --batch-size 16"],
+    ),
+    (
+        "global batch that does not split over the processes",
+        ["train", "--global-batch-size", "48", "--batch-size", "16"],
+        DIST,
+        ["--global-batch-size 48", "on 2 processes", "multiple of 32"],
+    ),
+    (
+        "global batch that does not split at a size of the elastic range",
+        [*ELASTIC, "--max-restarts", "3", "--global-batch-size", "64", "--batch-size", "16"],
+        {},
+        ["--global-batch-size 64", "on 3 processes", "multiple of 48"],
+    ),
+    ("elastic job that a lost node would end", ELASTIC, {}, ["--nnodes 1:3 with --max-restarts 0", "--max-restarts N"]),
 ]
 
 

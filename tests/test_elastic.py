@@ -13,7 +13,18 @@ import pytest
 import torch
 
 from ddpjob import checkpoint, checkpointer, sharded
-from helpers import free_port, lr_by_step, ok, records, samples_by_step, spawn, torchrun, trained_steps, wait_until
+from helpers import (
+    ddpjob,
+    free_port,
+    lr_by_step,
+    ok,
+    records,
+    samples_by_step,
+    spawn,
+    torchrun,
+    trained_steps,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +117,15 @@ def test_without_a_global_batch_size_a_new_world_size_warns_that_the_run_changes
     assert "--global-batch-size" in out
 
 
+def test_a_resume_on_a_dataset_of_another_size_is_refused_in_one_line(tmp_path):
+    # the cursor counts places in a permutation of the dataset: on other data it would skip or repeat
+    job = ["train", "--epochs", "1", "--max-steps", "5", "--data"]
+    ok(ddpjob([*job, "ddpjob.plugins:synthetic(samples=512)"], tmp_path))
+    proc = ddpjob([*job, "ddpjob.plugins:synthetic(samples=640)"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "trained on a dataset of 512 samples, this --data has 640" in proc.stderr.strip().splitlines()[-1]
+
+
 # Elastic: real agents (`ddpjob launch`, one worker each) on one rendezvous, nodes lost and added.
 ELASTIC = [
     *JOB[2:],
@@ -176,3 +196,7 @@ def test_a_node_joining_mid_run_grows_the_group_which_finishes_the_same_run(tmp_
     outs = [n.communicate(timeout=300)[0] for n in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], [o[-3000:] for o in outs]
     assert_same_run(tmp_path, elastic_reference, [1, 2])
+    # the agent stopped its worker to admit the new node: it checkpointed where it stopped, so the
+    # larger group resumed at that very step and no step was trained twice
+    resize = next(r for r in records(run_dir) if r["event"] == "resize")
+    assert resize["step"] in [r["step"] for r in records(run_dir) if r["event"] == "preempted"]

@@ -384,7 +384,8 @@ class Checkpointer:
         self.stateful = stateful
 
     def restore(self, loaded: Loaded, world_size: int, rank: int) -> dict[str, Any]:
-        """Resume: load the optimizer, scheduler, progress and this rank's RNG; the rest of the state."""
+        """Resume: load the optimizer, scheduler and progress, and this rank's RNG (at another world
+        size, where no saved stream is this rank's, seed it from seed, step and rank); the rest of the state."""
         if loaded.sharded:  # DCP: read into the live model and optimizer, at any world size
             resumed = sharded.load(
                 loaded.path, self.stateful["model"], self.stateful["optimizer"], self.group, verified=True

@@ -33,7 +33,9 @@ class Config:
     epochs: int = _opt(10, "epochs to train")
     max_steps: int = _opt(0, "stop after this many optimizer steps (0: no limit)")
     batch_size: int = _opt(32, "samples per process per micro-batch")
-    grad_accum: int = _opt(1, "micro-batches per optimizer step (DDP syncs only on the last)")
+    grad_accum: int = _opt(
+        1, "micro-batches per optimizer step (DDP syncs only on the last); derived when --global-batch-size is set"
+    )
     global_batch_size: int = _opt(
         0,
         "samples per optimizer step over all processes; set, it fixes the run at any world size (grad accumulation "
@@ -83,14 +85,20 @@ class Config:
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
     heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
     # node level (ddpjob launch)
-    nnodes: str = _opt("", "nodes in the job: N, or MIN:MAX for elastic training (empty: from the scheduler, else 1)")
+    nnodes: str = _opt(
+        "",
+        "nodes in the job: N, or MIN:MAX for elastic training, where any node but node 0 (the rendezvous host) may "
+        "leave or join (empty: from the scheduler, else 1)",
+    )
     node_rank: int = _opt(-1, "this node's rank (-1: from the scheduler, else 0)")
     nproc_per_node: int = _opt(0, "worker processes per node (0: visible GPUs, else 1)")
     rdzv_endpoint: str = _opt("", "HOST[:PORT] of the rendezvous (default: from the scheduler, else localhost)")
     rdzv_id: str = _opt("", "rendezvous id shared by all nodes (default: the scheduler's job id)")
     rdzv_timeout: int = _opt(300, "seconds to wait for all nodes at rendezvous")
     elastic_wait: int = _opt(10, "elastic (--nnodes MIN:MAX): seconds to wait for more nodes once MIN have joined")
-    max_restarts: int = _opt(0, "restarts of the worker group after a failure")
+    max_restarts: int = _opt(
+        0, "restarts of the worker group after a failure, a lost node included (0: from PET_MAX_RESTARTS, else none)"
+    )
     shutdown_timeout: int = _opt(120, "seconds torchrun waits after a stop signal for workers to checkpoint and exit")
 
     @property

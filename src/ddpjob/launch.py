@@ -29,6 +29,7 @@ from types import FrameType
 from typing import Any
 
 from ddpjob import config, doctor
+from ddpjob.batching import Batching
 from ddpjob.config import parse_nodes
 from ddpjob.distenv import DEFAULT_MASTER_PORT, first_host
 from ddpjob.errors import EXIT_FAILED, EXIT_PREEMPTED, UsageError, first_line
@@ -143,6 +144,7 @@ def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
             env.get("PET_RDZV_ID", "ddpjob"),
             int(nproc) if nproc.isdigit() else cuda_devices or 1,
             low,
+            _int(env, "PET_MAX_RESTARTS") if env.get("PET_MAX_RESTARTS") else 0,
         )
     if "SLURM_JOB_ID" in env and "SLURM_NNODES" in env and "SLURM_NODEID" in env:
         job = _int(env, "SLURM_JOB_ID")
@@ -179,6 +181,7 @@ def resolve_plan(cfg: config.Config, env: Mapping[str, str], cuda_devices: int) 
     plan = detect(env, cuda_devices)
     if cfg.node_range:
         plan.min_nodes, plan.nnodes = cfg.node_range
+    plan.max_restarts = cfg.max_restarts or plan.max_restarts
     if cfg.node_rank >= 0:
         plan.node_rank = cfg.node_rank
     if cfg.rdzv_endpoint:
@@ -193,11 +196,32 @@ def resolve_plan(cfg: config.Config, env: Mapping[str, str], cuda_devices: int) 
         raise UsageError(f"node rank {plan.node_rank} is outside the {plan.nnodes} nodes; check --node-rank / --nnodes")
     if plan.scheduler == "slurm" and plan.node_rank == 0 and plan.endpoint and not cfg.rdzv_endpoint:
         check_slurm_port(plan, env)  # node 0 hosts the store: a port taken by another job fails here, clearly
+    if plan.elastic:
+        check_elastic(cfg, plan)
     if plan.nnodes > 1 and not plan.endpoint.split(":")[0]:
         raise UsageError(
             f"{plan.nnodes} nodes need a rendezvous endpoint; set --rdzv-endpoint HOST[:PORT] (node 0's address)"
         )
     return plan
+
+
+def check_elastic(cfg: config.Config, plan: Plan) -> None:
+    """An elastic job must survive a lost node and keep one global batch at every size of its range."""
+    if not plan.max_restarts:
+        raise UsageError(
+            f"--nnodes {plan.nodes} with --max-restarts 0: the first lost node would end the job instead of the "
+            "others going on without it; set --max-restarts N (each lost node costs one restart)"
+        )
+    if not cfg.global_batch_size:
+        print(
+            f"[ddpjob] launch: warning: --nnodes {plan.nodes} without --global-batch-size: the global batch, and with "
+            "it the run, changes with the number of nodes; set --global-batch-size to keep it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    for nodes in range(plan.min_nodes, plan.nnodes + 1):
+        Batching.of(cfg, nodes * plan.nproc_per_node)  # UsageError naming the size it cannot split over
 
 
 def node_name(plan: Plan) -> str:
@@ -208,7 +232,7 @@ def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> 
     log_dir = os.path.join(cfg.run_dir, "logs", socket.gethostname())
     args = [
         f"--nproc-per-node={plan.nproc_per_node}",
-        f"--max-restarts={cfg.max_restarts}",
+        f"--max-restarts={plan.max_restarts}",
         f"--log-dir={log_dir}",
         f"--signals-to-handle={HANDLED_SIGNALS}",
         f"--shutdown-timeout={cfg.shutdown_timeout}",

@@ -19,6 +19,7 @@ class Plan:
     rdzv_id: str
     nproc_per_node: int
     min_nodes: int = 0  # elastic: fewest nodes to train with (0: nnodes, a fixed size)
+    max_restarts: int = 0  # worker group restarts after a failure (Kubeflow's elasticPolicy sets it)
 
     @property
     def elastic(self) -> bool:

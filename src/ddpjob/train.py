@@ -1,8 +1,9 @@
 """The training loop, readable top to bottom: set up, load or init, train, checkpoint, evaluate.
 
 One process per device under torchrun (DDP), or one process with nn.DataParallel ("dp") or with
-nothing ("none"). Resuming continues at the exact next batch with every RNG restored, so on CPU a
-resumed run is bitwise equal to an uninterrupted one.
+nothing ("none"). Resuming continues at the exact next sample with every RNG restored, so on CPU a
+resumed run is bitwise equal to an uninterrupted one; at another world size (a node lost or added)
+it continues with the same samples and LR per step (batching.py, schedule.py), within float tolerance.
 """
 
 from __future__ import annotations
@@ -45,11 +46,17 @@ class Progress:
     step: int = 0
     epoch: int = 0
     sample: int = 0
+    samples: int = 0  # the dataset's size: the permutation the cursor counts in
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("samples", self.samples) != self.samples:
+            raise UsageError(
+                f"the checkpoint was trained on a dataset of {state['samples']} samples, this --data has {self.samples}: "
+                "its place in the epoch's order would not carry over; resume with the same data, or --resume never"
+            )
         self.step, self.epoch, self.sample = state["step"], state["epoch"], state.get("sample", -1)
 
 
@@ -68,6 +75,7 @@ def pick_device(cfg: Config, env: DistEnv) -> torch.device:
 
 def check_setup(cfg: Config, env: DistEnv) -> None:
     """Everything that can be checked before any network wait."""
+    Batching.of(cfg, env.world_size)  # a global batch that does not split over these processes
     if cfg.strategy != "ddp" and env.is_distributed:
         raise UsageError(
             f"--strategy {cfg.strategy} runs one process, but {env.source} started {env.world_size}; "
@@ -285,7 +293,7 @@ def train(
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = Schedule(optimizer, schedule_steps)
-    progress = Progress()
+    progress = Progress(samples=len(train_set))  # type: ignore[arg-type]
     checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress)
     resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
