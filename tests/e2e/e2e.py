@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,3 +22,16 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, every: floa
             return result
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def volume_dir(docker_env: dict[str, str], volume: str) -> Path | None:
+    """Where the engine keeps a volume on this host (the tests run as root beside dockerd)."""
+    out = subprocess.run(
+        ["docker", "volume", "inspect", "-f", "{{.Mountpoint}}", volume], env=docker_env, capture_output=True, text=True
+    )
+    return Path(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (metrics.jsonl, attempts.jsonl); [] while there is none."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []

@@ -1,15 +1,13 @@
 """`docker compose up` on a real Docker engine: a 2-node CPU job from compose.yaml and .env, and the
 elastic recipe (compose.elastic.yaml) as nodes join and leave."""
 
-import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from e2e import IMAGE, REPO, wait_for
+from e2e import IMAGE, REPO, jsonl, volume_dir, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -102,18 +100,6 @@ def test_containers_run_as_a_non_root_user(docker_env):
         timeout=60,
     )
     assert proc.stdout.strip() == "1000"
-
-
-def volume_dir(env, volume):
-    """Where the engine keeps a volume on this host (the tests run as root beside dockerd)."""
-    out = subprocess.run(
-        ["docker", "volume", "inspect", "-f", "{{.Mountpoint}}", volume], env=env, capture_output=True, text=True
-    )
-    return Path(out.stdout.strip()) if out.returncode == 0 else None
-
-
-def jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def test_compose_elastic_recipe_grows_and_shrinks_and_completes(tmp_path, docker_env):
