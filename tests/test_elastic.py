@@ -119,7 +119,7 @@ def test_without_a_global_batch_size_a_new_world_size_warns_that_the_run_changes
 
 def test_a_resume_on_a_dataset_of_another_size_is_refused_in_one_line(tmp_path):
     # the cursor counts places in a permutation of the dataset: on other data it would skip or repeat
-    job = ["train", "--epochs", "1", "--max-steps", "5", "--data"]
+    job = ["train", "--model", "ddpjob.plugins:synthetic_mlp(width=64)", "--epochs", "1", "--max-steps", "5", "--data"]
     ok(ddpjob([*job, "ddpjob.plugins:synthetic(samples=512)"], tmp_path))
     proc = ddpjob([*job, "ddpjob.plugins:synthetic(samples=640)"], tmp_path)
     assert proc.returncode == 2, proc.stderr
