@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob import checkpoint, checkpointer, sharded
+from ddpjob import checkpoint, checkpointer, rng, sharded
 from helpers import (
     ddpjob,
     free_port,
@@ -90,23 +90,26 @@ def test_resume_at_another_world_size_sees_the_same_samples_and_lr_per_step(tmp_
     assert worst <= ATOL, f"parameters differ by {worst:g}"
 
 
-def test_a_resume_at_a_new_world_size_is_the_same_twice_with_dropout(tmp_path):
+def test_a_resume_at_a_new_world_size_seeds_each_rank_from_seed_step_and_rank(tmp_path):
     # The default model has dropout: at a new world size there are no saved per-rank streams to
-    # continue, so each rank's RNG is seeded from (seed, step, rank), the same at every such resume.
-    job = ["--data", "ddpjob.plugins:digits", "--epochs", "1", "--save-every", "0", *GLOBAL]
-    ok(torchrun([*job, "--max-steps", "10"], tmp_path, nproc=2))
+    # continue, so each rank's RNG is seeded from (seed, step, rank), the same at every such resume,
+    # and not the stream the run started with (seed + rank), which would replay its first masks.
+    job = ["--data", "ddpjob.plugins:digits", "--model", "tests.plugins.recording:model", "--epochs", "1", *GLOBAL]
+    job += ["--save-every", "0"]
+    draws = tmp_path / "draws"
+    draws.mkdir()
+    ok(torchrun([*job, "--max-steps", "10"], tmp_path, nproc=2, TEST_SAMPLES_DIR=str(draws)))
+    (draws / "rng-rank0.draws").unlink()
     finals = []
     for copy in ("a", "b"):
         run_dir = tmp_path / copy
-        ok(
-            torchrun(
-                [*job, "--run-dir", str(run_dir), "--resume", str(tmp_path / "runs/ddpjob/checkpoints/step-10.pt")],
-                tmp_path,
-                nproc=1,
-            )
-        )
+        resume = ["--run-dir", str(run_dir), "--resume", str(tmp_path / "runs/ddpjob/checkpoints/step-10.pt")]
+        ok(torchrun([*job, *resume], tmp_path, nproc=1, TEST_SAMPLES_DIR=str(draws)))
         finals.append(checkpoint.read(checkpointer.list_steps(run_dir / "checkpoints")[0][1])["model"])
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    torch.manual_seed(rng.derived_seed(0, 10, 0))
+    expected = torch.rand(()).item()
+    assert [float(x) for x in (draws / "rng-rank0.draws").read_text().split()] == [expected, expected]
 
 
 def test_without_a_global_batch_size_a_new_world_size_warns_that_the_run_changes(tmp_path):
@@ -153,12 +156,12 @@ def trained_as(work: Path, job: list[str], nproc: int) -> str:
     return ok(torchrun(job, work, nproc=nproc, timeout=300, TEST_SAMPLES_DIR=str(samples)))
 
 
-def node(work: Path, port: int, rank: int) -> subprocess.Popen[str]:
+def node(work: Path, port: int, rank: int, *extra: str) -> subprocess.Popen[str]:
     samples = work / "samples"
     samples.mkdir(exist_ok=True)
     flags = ["--nnodes", "1:2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
     flags += ["--max-restarts", "3", "--elastic-wait", "2", "--nproc-per-node", "1"]
-    return spawn(["launch", *flags, *ELASTIC], work, TEST_SAMPLES_DIR=str(samples))
+    return spawn(["launch", *flags, *ELASTIC, *extra], work, TEST_SAMPLES_DIR=str(samples))
 
 
 def assert_same_run(work: Path, reference: Path, sizes: list[int]) -> None:
@@ -178,9 +181,10 @@ def assert_same_run(work: Path, reference: Path, sizes: list[int]) -> None:
     assert worst <= ATOL, f"parameters differ by {worst:g}"
 
 
-def test_a_node_lost_mid_run_leaves_the_other_to_finish_the_same_run_alone(tmp_path, elastic_reference):
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_a_node_lost_mid_run_leaves_the_other_to_finish_the_same_run_alone(tmp_path, elastic_reference, fmt):
     port, run_dir = free_port(), tmp_path / "runs/ddpjob"
-    nodes = [node(tmp_path, port, rank) for rank in (0, 1)]
+    nodes = [node(tmp_path, port, rank, "--checkpoint-format", fmt) for rank in (0, 1)]
     wait_until(lambda: trained_steps(run_dir) >= 12, 120, "step 12")
     os.kill(nodes[1].pid, signal.SIGKILL)  # the whole agent: its worker follows it (parent-death signal)
     out = nodes[0].communicate(timeout=300)[0]
@@ -188,11 +192,12 @@ def test_a_node_lost_mid_run_leaves_the_other_to_finish_the_same_run_alone(tmp_p
     assert_same_run(tmp_path, elastic_reference, [2, 1])
 
 
-def test_a_node_joining_mid_run_grows_the_group_which_finishes_the_same_run(tmp_path, elastic_reference):
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_a_node_joining_mid_run_grows_the_group_which_finishes_the_same_run(tmp_path, elastic_reference, fmt):
     port, run_dir = free_port(), tmp_path / "runs/ddpjob"
-    first = node(tmp_path, port, 0)
+    first = node(tmp_path, port, 0, "--checkpoint-format", fmt)
     wait_until(lambda: trained_steps(run_dir) >= 8, 120, "step 8")
-    second = node(tmp_path, port, 1)
+    second = node(tmp_path, port, 1, "--checkpoint-format", fmt)
     outs = [n.communicate(timeout=300)[0] for n in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], [o[-3000:] for o in outs]
     assert_same_run(tmp_path, elastic_reference, [1, 2])
@@ -200,3 +205,15 @@ def test_a_node_joining_mid_run_grows_the_group_which_finishes_the_same_run(tmp_
     # larger group resumed at that very step and no step was trained twice
     resize = next(r for r in records(run_dir) if r["event"] == "resize")
     assert resize["step"] in [r["step"] for r in records(run_dir) if r["event"] == "preempted"]
+
+
+def test_losing_node_0_which_hosts_the_store_ends_the_others_at_once_in_one_line(tmp_path):
+    port, run_dir = free_port(), tmp_path / "runs/ddpjob"
+    nodes = [node(tmp_path, port, rank) for rank in (0, 1)]
+    wait_until(lambda: trained_steps(run_dir) >= 8, 120, "step 8")
+    os.kill(nodes[0].pid, signal.SIGKILL)
+    out = nodes[1].communicate(timeout=120)[0]  # not the 300 s rendezvous timeout
+    assert nodes[1].returncode == 1, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert "the rendezvous store at 127.0.0.1" in last and "(node 0) is gone after the job had started" in last
+    assert "start the job again: it resumes from the newest checkpoint" in last

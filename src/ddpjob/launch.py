@@ -401,6 +401,12 @@ def run_torchrun(cmd: list[str], plan: Plan, rdzv_timeout: float, shutdown_timeo
         return stops.outcome(exc.sigval)
     except RendezvousError as exc:
         detail = first_line(exc)
+        if stops.pcontext is not None:  # workers ran: the rendezvous had formed, and its store went away
+            return EXIT_FAILED, (
+                f"the rendezvous store at {plan.endpoint} (node 0) is gone after the job had started ({detail}): "
+                "node 0 left or died, and the other nodes cannot re-form without it (an elastic job survives "
+                "any node but node 0); start the job again: it resumes from the newest checkpoint"
+            )
         return EXIT_FAILED, (
             f"rendezvous at {plan.endpoint} for {plan.nodes} nodes failed ({detail}): {watch.summary()} "
             f"within the {rdzv_timeout} s rendezvous timeout; check that every node started and can reach "

@@ -1,4 +1,5 @@
-"""Test plug-in: the digits data, recording every training sample index a process fetches.
+"""Test plug-ins: the digits data, recording every training sample index a process fetches; and the
+digits model, recording the first number the process's torch RNG gives in training.
 
 Each process appends the indices it reads, in order, to TEST_SAMPLES_DIR/<time_ns>-<pid>-rank<R>.txt
 (the time of its first fetch names the file), so a test can tell which samples each optimizer step
@@ -9,6 +10,8 @@ import os
 import time
 from typing import Any
 
+import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from ddpjob import plugins
@@ -35,3 +38,18 @@ def digits(delay: float = 0.0) -> tuple[Recording, Any]:
     """``delay``: seconds of sleep per sample fetched, so a test can act mid-run."""
     train, val = plugins.digits()
     return Recording(train, delay), val
+
+
+def model() -> nn.Module:
+    """digits_mlp (with dropout) that, at its first forward in training, draws torch.rand(()) from
+    the global RNG and appends it to TEST_SAMPLES_DIR/rng-rank<R>.draws: the stream the loop left it."""
+    net = plugins.digits_mlp()
+
+    def first_draw(module: nn.Module, args: Any) -> None:
+        path = os.path.join(os.environ["TEST_SAMPLES_DIR"], f"rng-rank{os.environ.get('RANK', '0')}.draws")
+        with open(path, "a") as f:
+            f.write(f"{torch.rand(()).item()!r}\n")
+        handle.remove()
+
+    handle = net.register_forward_pre_hook(first_draw)
+    return net
