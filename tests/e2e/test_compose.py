@@ -156,7 +156,9 @@ def test_compose_elastic_recipe_grows_and_shrinks_and_completes(tmp_path, docker
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{logs()}") from None
         subprocess.run(["docker", "stop", f"{name}-node-2"], env=env, capture_output=True, timeout=200)
-        head = exit_code(f"{name}-head-1", 400)
+        head = subprocess.run(
+            [*cmd, "wait", "head"], env=env, capture_output=True, timeout=400
+        ).returncode  # as documented
         out = logs()
         assert head == 0, out
         assert exit_code(f"{name}-node-2", 10) == 75, out  # it left after the agreed checkpoint
