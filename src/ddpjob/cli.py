@@ -87,6 +87,19 @@ def _ckpt(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _diagnose(argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from ddpjob import diagnose
+
+    parser = config.make_parser("ddpjob diagnose", "Which rank stopped a stuck or failed job, from RUN_DIR/traces.")
+    parser.add_argument("run_dir", type=Path, help="the job's --run-dir")
+    parser.add_argument("--world-size", type=int, help="ranks in the job (default: from metrics.jsonl)")
+    args = parser.parse_args(argv)
+    print(diagnose.diagnose(args.run_dir, args.world_size))
+    return EXIT_OK
+
+
 def _launch(argv: Sequence[str]) -> int:
     # The agent's C++ store warnings (a peer's store closing) come with a frame dump each; the
     # failure is reported in one line instead. c10 reads the level once, when torch loads, so the
@@ -107,6 +120,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "launch": (_launch, "start this node's workers with torchrun (what every launcher calls)"),
     "doctor": (_doctor, "preflight checks of this node (rendezvous, /dev/shm, interfaces, devices, disk)"),
     "plot": (_plot, "PNG of loss, accuracy and throughput of a run, marking restarts and resumes"),
+    "diagnose": (_diagnose, "which rank stopped a stuck job, in which collective, from RUN_DIR/traces"),
     "ckpt": (_ckpt, "inspect or convert checkpoints (module. prefix, plain, safetensors)"),
     "config": (_config, "print the resolved config (defaults < .env < DDPJOB_* < flags) as a .env file"),
 }

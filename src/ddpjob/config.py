@@ -84,6 +84,11 @@ class Config:
     tensorboard: str = _opt("", "also write the metrics as TensorBoard scalars to DIR (needs the tensorboard package)")
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
     heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
+    trace_after: float = _opt(
+        120.0,
+        "seconds without a finished step before each rank writes what it is doing (collectives in flight, Python "
+        "stacks) to RUN_DIR/traces/ for `ddpjob diagnose` (0: off)",
+    )
     # node level (ddpjob launch)
     nnodes: str = _opt(
         "",
@@ -221,7 +226,15 @@ def validate(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise UsageError(f"{flag(name)} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("max_steps", "save_every", "num_workers", "max_restarts", "nproc_per_node", "heartbeat"):
+    for name in (
+        "max_steps",
+        "save_every",
+        "num_workers",
+        "max_restarts",
+        "nproc_per_node",
+        "heartbeat",
+        "trace_after",
+    ):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
     for name in ("lr", "collective_timeout", "save_timeout", "fs_timeout"):

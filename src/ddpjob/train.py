@@ -31,11 +31,11 @@ from ddpjob.checkpointer import Checkpointer, Loaded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, UsageError, exit_code_for, first_line
-from ddpjob.logs import start_heartbeat
 from ddpjob.metrics import Metrics, append_attempt, process_started
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
 from ddpjob.schedule import Schedule
+from ddpjob.traces import Tracer, enable_nccl_dumps, start_watchdog
 from ddpjob.weights import load_weights, model_state, unwrap
 
 
@@ -218,7 +218,10 @@ def run(cfg: Config, env: DistEnv) -> int:
     device = pick_device(cfg, env)
     load_callable(cfg.model)  # import errors surface here, before any network wait
     train_set, val_set = build_data(cfg.data)
+    tracer = Tracer(cfg.run_dir, env.rank)
     if cfg.strategy == "ddp":
+        if device.type == "cuda":
+            enable_nccl_dumps(cfg.run_dir, env.rank)
         init_process_group(cfg, env, device)
     joined = time.time()  # the process group is up (after the rendezvous, on a restart)
     # From here a stop signal is kept, not fatal: loading a checkpoint (waiting for the dir's lock,
@@ -226,9 +229,10 @@ def run(cfg: Config, env: DistEnv) -> int:
     # (Before, a blocking rendezvous would hold a handled signal until it returned.)
     stop = StopSignal(cfg.stop_check_every, device)
     try:
-        return train(cfg, env, device, stop, train_set, val_set, joined)
+        return train(cfg, env, device, stop, train_set, val_set, joined, tracer)
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
+            tracer.dump(f"a collective failed: {backend_message(exc)}", keep=True)
             raise PeerLost(
                 f"rank {env.rank}: a collective failed ({backend_message(exc)}); a peer died, hung longer than "
                 f"--collective-timeout ({cfg.collective_timeout:g} s) or lost its network: that peer's log says "
@@ -251,6 +255,7 @@ def train(
     train_set: Dataset[Any],
     val_set: Dataset[Any] | None,
     joined: float,
+    tracer: Tracer,
 ) -> int:
     if env.is_main:
         print_config(cfg)
@@ -317,7 +322,8 @@ def train(
         report_resize(cfg, env, metrics, resumed, batching, progress.step)
     bf16 = cfg.precision == "bf16" and device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    heartbeat = start_heartbeat(cfg.heartbeat, lambda: progress.step) if cfg.heartbeat else None
+    tracer.current_step = lambda: progress.step
+    watchdog = start_watchdog(tracer, cfg.heartbeat, cfg.trace_after) if cfg.heartbeat or cfg.trace_after else None
     loss_fn = nn.CrossEntropyLoss()
     accum = batching.grad_accum
     exit_code, start_time = EXIT_OK, time.perf_counter()
@@ -393,5 +399,5 @@ def train(
         metrics.close(step=progress.step, exit_code=exit_code)
         stop.settle()
         gc.unfreeze()
-        if heartbeat:
-            heartbeat.set()
+        if watchdog:
+            watchdog.set()

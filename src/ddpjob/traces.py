@@ -1,0 +1,115 @@
+"""What each rank was doing when the job stopped making progress, written to RUN_DIR/traces/.
+
+Per rank R, rewritten at each dump:
+- ``rank_R``: the process group's flight-recorder dump (torch's ``_dump_fr_trace``: a pickle of
+  plain records: every recent collective with its sequence number, name, sizes and whether it
+  completed, and the group's last enqueued / completed sequence numbers), under the name torch's
+  own analyser (``torchfrtrace``) reads;
+- ``stack_R.txt``: every thread's Python stack (faulthandler; safe while the main thread is
+  blocked inside a collective, which holds no GIL);
+- ``rank_R.json``: host, pid, step, why, and the main thread's id, so its stack can be found.
+
+A rank dumps when it has finished no step for ``--trace-after`` seconds (from a watchdog thread:
+the main thread may be blocked in C++), and when a collective fails. A rank that is stopped
+(SIGSTOP), dead or killed writes nothing: ``ddpjob diagnose`` names it by its absence. On NCCL,
+torch's own dump on timeout is switched on too (``enable_nccl_dumps``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+FR_BUFFER = "2000"  # collectives each rank's flight recorder keeps
+
+
+def enable_nccl_dumps(run_dir: str, rank: int) -> None:
+    """Before the process group starts: NCCL's flight recorder on, and its dump on a timeout into
+    the traces folder (the user's own settings win)."""
+    folder = Path(run_dir) / "traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FR_BUFFER)
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / "nccl_rank_"))
+
+
+class Tracer:
+    """Writes this rank's traces; ``current_step`` is set once the loop has a step to report."""
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        self.folder, self.rank = Path(run_dir) / "traces", rank
+        self.lock = threading.Lock()
+        self.current_step: Callable[[], int] = lambda: -1
+        self.dumped_at: int | None = None  # the step of the last dump
+
+    def dump(self, why: str, keep: bool = False) -> None:
+        """Write this rank's three files; never raises (it runs when things are already wrong).
+        ``keep``: not if this rank already wrote them at this step (a collective that failed after
+        a stall: gloo marks it finished once it has failed, so the stall's dump says more)."""
+        with self.lock:
+            if keep and self.dumped_at == self.current_step():
+                return
+            self.dumped_at = self.current_step()
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                meta = {
+                    "rank": self.rank,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "step": self.current_step(),
+                    "why": why,
+                    "time": round(time.time(), 3),
+                    "main_thread": threading.main_thread().ident,
+                }
+                records = _flight_records()
+                if records is not None:
+                    (self.folder / f"rank_{self.rank}").write_bytes(records)
+                with open(self.folder / f"stack_{self.rank}.txt", "w") as f:
+                    faulthandler.dump_traceback(file=f, all_threads=True)
+                (self.folder / f"rank_{self.rank}.json").write_text(json.dumps(meta) + "\n")
+            except Exception as exc:  # diagnostics must not turn a hang into another failure
+                print(f"[ddpjob] could not write traces: {exc}", flush=True)
+
+
+def _flight_records() -> bytes | None:
+    """torch's flight-recorder dump of this process's groups, or None where this torch has none."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    try:
+        return dump() if dump else None
+    except RuntimeError:
+        return None
+
+
+def start_watchdog(tracer: Tracer, heartbeat: float, trace_after: float) -> threading.Event:
+    """One thread until the returned event is set: every ``heartbeat`` seconds print this rank's
+    step and time without progress (0: never); after ``trace_after`` seconds without a finished
+    step write the traces, once per stall (0: never)."""
+    stop, current_step = threading.Event(), tracer.current_step
+    tick = min(t for t in (heartbeat, trace_after / 4, 1.0) if t > 0)
+
+    def watch() -> None:
+        last_step, since, last_beat, traced = current_step(), time.monotonic(), time.monotonic(), False
+        while not stop.wait(tick):
+            step, now = current_step(), time.monotonic()
+            if step != last_step:
+                last_step, since, traced = step, now, False
+            if heartbeat and now - last_beat >= heartbeat:
+                last_beat = now
+                print(f"[ddpjob] heartbeat: step {step}, no progress for {now - since:.0f}s", flush=True)
+            if trace_after and not traced and now - since >= trace_after:
+                traced = True
+                tracer.dump(f"no step finished for {now - since:.0f} s (--trace-after {trace_after:g})")
+                print(f"[ddpjob] no progress for {now - since:.0f}s at step {step}: wrote {tracer.folder}", flush=True)
+
+    threading.Thread(target=watch, name="ddpjob-watchdog", daemon=True).start()
+    return stop
