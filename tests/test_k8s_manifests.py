@@ -207,7 +207,7 @@ def test_elastic_pytorchjob_resizes_around_the_master_with_a_global_batch(tmp_pa
         conf = dict(kv.split("=") for kv in opts["rdzv-conf"].split(","))
         assert conf["is_host"] == str(int(rtype == "Master")), (rtype, index, conf)  # the Master hosts the store
         assert "last_call_timeout" in conf
-        assert int(opts["max-restarts"]) == policy["maxRestarts"], "launch ignores PET_MAX_RESTARTS: set both"
+        assert int(opts["max-restarts"]) == policy["maxRestarts"], "maxRestarts must reach torchrun (PET_MAX_RESTARTS)"
         train = cmd[cmd.index("train") + 1 :]
         flags = dict(zip(train[::2], train[1::2], strict=True))
         assert "--global-batch-size" in flags, f"without it a resize changes the run: {train}"
