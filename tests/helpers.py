@@ -162,6 +162,12 @@ def workers_of(agent_pid: int) -> list[int]:
     return sorted(pids)
 
 
+def rank_of(pid: int) -> int:
+    """The RANK a worker process was started with."""
+    environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+
+
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:

@@ -8,17 +8,12 @@ from pathlib import Path
 import pytest
 
 from ddpjob import diagnose
-from helpers import ddpjob, spawn, trained_steps, wait_until, workers_of
+from helpers import ddpjob, rank_of, spawn, trained_steps, wait_until, workers_of
 
 pytestmark = pytest.mark.slow
 
 JOB = ["--data", "ddpjob.plugins:digits", "--epochs", "50", "--log-every", "1", "--save-every", "0"]
 JOB += ["--trace-after", "2", "--collective-timeout", "60"]
-
-
-def rank_of(pid: int) -> int:
-    environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
 
 
 def stuck_job(work: Path, *model: str):  # type: ignore[no-untyped-def]

@@ -83,6 +83,11 @@ class Config:
     log_every: int = _opt(10, "log a line every N steps on rank 0")
     tensorboard: str = _opt("", "also write the metrics as TensorBoard scalars to DIR (needs the tensorboard package)")
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
+    straggler_factor: float = _opt(
+        1.5,
+        "warn when a rank's own step work is this many times the other ranks' median, --straggler-intervals in a row",
+    )
+    straggler_intervals: int = _opt(3, "logging intervals in a row a rank must be slow before it is named")
     heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
     trace_after: float = _opt(
         120.0,
@@ -219,6 +224,7 @@ def validate(cfg: Config) -> None:
         "keep",
         "log_every",
         "elastic_wait",
+        "straggler_intervals",
         "stop_check_every",
         "rdzv_timeout",
         "shutdown_timeout",
@@ -237,7 +243,7 @@ def validate(cfg: Config) -> None:
     ):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
-    for name in ("lr", "collective_timeout", "save_timeout", "fs_timeout"):
+    for name in ("lr", "collective_timeout", "save_timeout", "fs_timeout", "straggler_factor"):
         if getattr(cfg, name) <= 0:
             raise UsageError(f"{flag(name)} must be positive, got {getattr(cfg, name)}")
     if cfg.global_batch_size < 0:

@@ -54,8 +54,13 @@ class Metrics:
                 if key not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
                     self.tb.add_scalar(f"{record['event']}/{key}", value, record["step"])
 
-    def step(self, step: int, epoch: int, loss: torch.Tensor, lr: float) -> None:
-        """Called every optimizer step with the step's loss tensor (not read back here) and the LR it used."""
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a logging interval (the same answer on every rank)."""
+        return step % self.log_every == 0 or step == self.total
+
+    def step(self, step: int, epoch: int, loss: torch.Tensor, lr: float, **extra: Any) -> None:
+        """Called every optimizer step with the step's loss tensor (not read back here), the LR it
+        used, and at logging intervals ``extra`` fields for the record."""
         if not self.enabled:
             return
         if self.loss_sum is None:
@@ -65,7 +70,7 @@ class Metrics:
         self.count += 1
         if self.bar is not None:
             self.bar.update(1)
-        if step % self.log_every and step != self.total:
+        if not self.due(step):
             return
         now = time.perf_counter()
         assert self.loss_sum is not None
@@ -73,9 +78,7 @@ class Metrics:
         rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
         eta = (self.total - step) / rate if rate > 0 else 0.0
         if torch.cuda.is_available():  # a host-side counter: no device sync
-            extra = {"gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
-        else:
-            extra = {}
+            extra["gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         self.write(
             event="train",
             step=step,

@@ -35,6 +35,7 @@ from ddpjob.metrics import Metrics, append_attempt, process_started
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
 from ddpjob.schedule import Schedule
+from ddpjob.stragglers import Stragglers
 from ddpjob.traces import Tracer, enable_nccl_dumps, start_watchdog
 from ddpjob.weights import load_weights, model_state, unwrap
 
@@ -325,6 +326,8 @@ def train(
     tracer.current_step = lambda: progress.step
     watchdog = start_watchdog(tracer, cfg.heartbeat, cfg.trace_after) if cfg.heartbeat or cfg.trace_after else None
     loss_fn = nn.CrossEntropyLoss()
+    own = Stragglers(env, device, cfg.straggler_factor, cfg.straggler_intervals)  # each rank's own step time
+    own.attach(model)
     accum = batching.grad_accum
     exit_code, start_time = EXIT_OK, time.perf_counter()
     gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short
@@ -335,6 +338,7 @@ def train(
             sampler.cursor = progress.sample
             loader_rng.manual_seed(cfg.seed * 100_003 + progress.epoch)
             micro = 0
+            own.start()
             for x, y in loader:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 micro += 1
@@ -348,10 +352,12 @@ def train(
                     continue
                 micro = 0
                 optimizer.step()
+                own.step_done()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
                 progress.sample += batching.global_batch
-                metrics.step(progress.step, progress.epoch, loss, schedule.lr)
+                shared = own.share() if metrics.due(progress.step) else {}  # one gather per logging interval
+                metrics.step(progress.step, progress.epoch, loss, schedule.lr, **shared)
                 schedule.set(progress.step)
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
@@ -365,6 +371,7 @@ def train(
                     return exit_code
                 if progress.step >= total_steps:
                     break
+                own.start()
             if not batching.steps_left(len(train_set), progress.sample):  # type: ignore[arg-type]
                 if val_set is not None:  # epoch finished: evaluate, move on
                     result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
