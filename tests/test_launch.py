@@ -87,6 +87,15 @@ def test_torchrun_arguments_for_a_multi_node_job(no_scontrol):
     assert args[-5:] == ["-m", "ddpjob", "train", "--epochs", "1"]
 
 
+def test_a_worker_only_elastic_kubeflow_pod_leaves_its_rank_and_the_store_host_to_the_rendezvous():
+    env = {"PET_NNODES": "1:4", "PET_RDZV_ENDPOINT": "ddpjob-worker-0:23456", "PET_MAX_RESTARTS": "5"}
+    cfg, plan = plan_for(env)
+    args = launch.torchrun_args(cfg, plan, [])
+    assert plan.node_rank is None and "--nnodes=1:4" in args and "--max-restarts=5" in args
+    conf = next(a for a in args if a.startswith("--rdzv-conf="))
+    assert "is_host" not in conf and "last_call_timeout=10" in conf  # torchrun matches the endpoint to this pod
+
+
 def test_replicated_nodes_let_torchrun_find_the_rendezvous_host():
     cfg, plan = plan_for({"DDPJOB_NNODES": "3", "DDPJOB_RDZV_ENDPOINT": "job-node-1"})
     assert "--rdzv-conf=join_timeout=300,read_timeout=300" in launch.torchrun_args(cfg, plan, [])

@@ -129,7 +129,9 @@ def with_port(host: str, port: int) -> str:
 def detect(env: Mapping[str, str], cuda_devices: int) -> Plan:
     if "PET_NNODES" in env:
         nproc = env.get("PET_NPROC_PER_NODE", "auto")
-        node_rank = next((_int(env, k) for k in ("PET_NODE_RANK", "RANK") if k in env), 0)
+        # Worker-only elastic jobs set neither: the rank is assigned at rendezvous, and torchrun
+        # tells the store's host by matching the endpoint against this pod's names.
+        node_rank = next((_int(env, k) for k in ("PET_NODE_RANK", "RANK") if k in env), None)
         endpoint = (
             env.get("PET_RDZV_ENDPOINT")
             or f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', DEFAULT_MASTER_PORT)}"
