@@ -4,17 +4,23 @@ for 10 ms of every 15 ms, as a cgroup quota or a noisy neighbour would)."""
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 
-from helpers import rank_of, spawn, wait_until, workers_of
+from helpers import PY, REPO, clean_env, ok, rank_of, spawn, wait_until, workers_of
 
 pytestmark = pytest.mark.slow
 
 JOB = ["--data", "ddpjob.plugins:synthetic(samples=8192)", "--model", "ddpjob.plugins:synthetic_mlp(width=256)"]
 JOB += ["--epochs", "50", "--max-steps", "400", "--log-every", "20", "--save-every", "0"]
+
+
+def torchrun_script(cwd, script, nproc):  # type: ignore[no-untyped-def]
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=120)
 
 
 def quota(pid: int, done: threading.Event, run_s: float = 0.005, stop_s: float = 0.01) -> None:
@@ -45,3 +51,9 @@ def test_a_rank_held_to_a_cpu_quota_is_named_as_the_straggler_with_its_host(tmp_
     intervals = [r for r in records if r["event"] == "train" and "slowest_rank" in r]
     assert len(intervals) == 20 and all(r["slowest_host"] and r["own_ms_spread"] >= 1 for r in intervals)
     assert sum(r["slowest_rank"] == 1 for r in intervals) >= 16
+
+
+def test_the_timing_hook_leaves_ddp_training_bitwise_as_it_was_at_3_ranks(tmp_path):
+    # DDP scales gradients by 1/3 as it fills a bucket; the hook must too (dividing by 3 differs)
+    out = ok(torchrun_script(tmp_path, REPO / "tests/plugins/hook_bitwise.py", nproc=3))
+    assert "bitwise equal: True" in out

@@ -45,12 +45,21 @@ class RankTrace:
 
 
 def load(folder: Path) -> dict[int, RankTrace]:
+    """Every rank's trace that can be read whole (an unreadable one counts as no trace)."""
     traces = {}
-    for meta_path in sorted(folder.glob("rank_*.json")):
-        meta = json.loads(meta_path.read_text())
-        rank = int(meta["rank"])
-        trace = RankTrace(rank, str(meta.get("host", "?")), int(meta.get("step", -1)), str(meta.get("why", "")))
-        records = folder / f"rank_{rank}"
+    for meta_path in sorted(folder.glob("meta_*.json")):
+        try:
+            traces[int(meta_path.stem.split("_")[1])] = _load_rank(folder, json.loads(meta_path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
+            continue
+    return traces
+
+
+def _load_rank(folder: Path, meta: dict[str, Any]) -> RankTrace:
+    rank = int(meta["rank"])
+    trace = RankTrace(rank, str(meta.get("host", "?")), int(meta.get("step", -1)), str(meta.get("why", "")))
+    for name in (f"rank_{rank}", f"nccl_rank_{rank}"):  # ddpjob's dump, or NCCL's own on a timeout
+        records = folder / name
         if records.is_file():
             dump = _PlainUnpickler(io.BytesIO(records.read_bytes())).load()
             status = dump.get("pg_status", {}).get(DEFAULT_GROUP, {})
@@ -59,11 +68,11 @@ def load(folder: Path) -> dict[int, RankTrace]:
             for entry in dump.get("entries", []):
                 if str(entry.get("process_group", ("",))[0]) == DEFAULT_GROUP and not entry.get("is_p2p"):
                     trace.names[int(entry["collective_seq_id"])] = str(entry["profiling_name"])
-        stack = folder / f"stack_{rank}.txt"
-        if stack.is_file():
-            trace.stack = main_stack(stack.read_text(), meta.get("main_thread"))
-        traces[rank] = trace
-    return traces
+            break
+    stack = folder / f"stack_{rank}.txt"
+    if stack.is_file():
+        trace.stack = main_stack(stack.read_text(), meta.get("main_thread"))
+    return trace
 
 
 def main_stack(text: str, thread_id: int | None) -> list[str]:
@@ -93,15 +102,16 @@ def verdict(traces: dict[int, RankTrace], world_size: int) -> str:
             "no traces in RUN_DIR/traces; they are written when a rank makes no progress for "
             "--trace-after seconds or a collective fails: run the job with that on"
         )
-    top = max(t.entered for t in traces.values())
+    traces = {r: t for r, t in traces.items() if r < world_size}  # not a larger earlier attempt's
+    silent = sorted(set(range(world_size)) - set(traces))
+    quiet = f"rank(s) {ranks_text(silent)} wrote no trace (stopped, e.g. SIGSTOP, dead, or killed before they could)"
+    top = max((t.entered for t in traces.values()), default=-1)
     waiting = sorted(r for r, t in traces.items() if t.entered == top and t.completed < top)
     behind = sorted(r for r, t in traces.items() if t.entered < top)
-    silent = sorted(set(range(world_size)) - set(traces))
     if not waiting:
-        return (
-            f"no rank is waiting in a collective: every rank that wrote a trace finished collective #{top}; "
-            f"the traces were written because: {next(iter(traces.values())).why}"
-        )
+        why = next((f"; the traces were written because: {t.why}" for t in traces.values() if t.why), "")
+        done = f"no rank is waiting in a collective: every rank that wrote a trace finished collective #{top}{why}"
+        return f"{quiet} and are the likely cause\n{done}" if silent else done
     name = next((traces[r].names[top] for r in waiting if top in traces[r].names), "a collective")
     where = f"{name} #{top}, which rank(s) {ranks_text(waiting)} ({_hosts(traces, waiting)}) are waiting in"
     lines = []
@@ -110,10 +120,7 @@ def verdict(traces: dict[int, RankTrace], world_size: int) -> str:
         last = f"; its last stack: {' <- '.join(trace.stack[:3])}" if trace.stack else ""
         lines.append(f"rank {rank} ({trace.host}) never entered {where}{last}")
     if silent:
-        lines.append(
-            f"rank(s) {ranks_text(silent)} wrote no trace (stopped, e.g. SIGSTOP, dead, or killed before "
-            f"they could) and are the likely cause: {where}; their logs and hosts say more"
-        )
+        lines.append(f"{quiet} and are the likely cause: {where}; their logs and hosts say more")
     if not lines:
         lines.append(f"every rank entered {where}: the collective itself is stuck (network, or a peer's transport)")
     return "\n".join(lines)

@@ -2,8 +2,8 @@
 
 Each rank times the work it does without waiting for the others: from the start of a step (the
 first batch fetched) to the moment its backward has produced its last gradient bucket, which DDP
-hands to a communication hook before any wait for the other ranks (the hook then runs DDP's own
-all-reduce). On CUDA both ends are events on the stream, read back only at the interval. At each
+hands to a communication hook before any wait for the other ranks (the hook then averages the
+gradients exactly as DDP's built-in reduction does). On CUDA both ends are events on the stream, read back only at the interval. At each
 logging interval the ranks all-gather their mean
 (one small collective per interval, never per step); rank 0 records the slowest and the fastest
 rank with their hosts and the spread, and when one rank has been slower than the median of
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpjob.distenv import DistEnv
@@ -119,7 +118,11 @@ class Stragglers:
 
 
 def _ready_then_allreduce(own, bucket):  # type: ignore[no-untyped-def]
-    """DDP communication hook: note that this rank's bucket is ready, then DDP's default all-reduce.
-    (No annotations: DDP checks them against the classes, and this module's are strings.)"""
-    own.ready()
-    return default_hooks.allreduce_hook(None, bucket)
+    """DDP communication hook: note when this rank's last bucket is ready, then average the bucket
+    as DDP's built-in reduction does: scaled by 1 / world size before the sum (DDP multiplies as it
+    fills the bucket; torch's own allreduce_hook divides, which differs in the last bit at world
+    sizes that are not powers of 2). (No annotations: DDP checks them against the classes.)"""
+    if bucket.is_last():
+        own.ready()
+    tensor = bucket.buffer().mul_(1.0 / dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])

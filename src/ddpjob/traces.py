@@ -3,11 +3,15 @@
 Per rank R, rewritten at each dump:
 - ``rank_R``: the process group's flight-recorder dump (torch's ``_dump_fr_trace``: a pickle of
   plain records: every recent collective with its sequence number, name, sizes and whether it
-  completed, and the group's last enqueued / completed sequence numbers), under the name torch's
-  own analyser (``torchfrtrace``) reads;
+  completed, and the group's last enqueued / completed sequence numbers; NCCL's recorder on CUDA);
 - ``stack_R.txt``: every thread's Python stack (faulthandler; safe while the main thread is
   blocked inside a collective, which holds no GIL);
-- ``rank_R.json``: host, pid, step, why, and the main thread's id, so its stack can be found.
+- ``meta_R.json``: host, pid, step, why, and the main thread's id, so its stack can be found
+  (written last: a dump is whole once it is there).
+
+Each file is written under a temporary name and renamed, so a rank killed mid-dump leaves the
+previous dump or none, never a torn one. A rank removes its own files when it starts, so a
+folder never mixes attempts of that rank.
 
 A rank dumps when it has finished no step for ``--trace-after`` seconds (from a watchdog thread:
 the main thread may be blocked in C++), and when a collective fails. A rank that is stopped
@@ -17,6 +21,7 @@ torch's own dump on timeout is switched on too (``enable_nccl_dumps``).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -25,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 FR_BUFFER = "2000"  # collectives each rank's flight recorder keeps
 
@@ -45,6 +51,9 @@ class Tracer:
     def __init__(self, run_dir: str, rank: int) -> None:
         self.folder, self.rank = Path(run_dir) / "traces", rank
         self.lock = threading.Lock()
+        for name in self.names():  # an earlier attempt's: a dump of this one must not mix with them
+            with contextlib.suppress(OSError):
+                (self.folder / name).unlink()
         self.current_step: Callable[[], int] = lambda: -1
         self.dumped_at: int | None = None  # the step of the last dump
 
@@ -67,23 +76,37 @@ class Tracer:
                     "time": round(time.time(), 3),
                     "main_thread": threading.main_thread().ident,
                 }
-                records = _flight_records()
-                if records is not None:
-                    (self.folder / f"rank_{self.rank}").write_bytes(records)
-                with open(self.folder / f"stack_{self.rank}.txt", "w") as f:
-                    faulthandler.dump_traceback(file=f, all_threads=True)
-                (self.folder / f"rank_{self.rank}.json").write_text(json.dumps(meta) + "\n")
+                records, stack, meta_name = self.names()
+                flight = _flight_records()
+                if flight is not None:
+                    _replace(self.folder / records, lambda f: f.write(flight))
+                _replace(self.folder / stack, lambda f: faulthandler.dump_traceback(file=f, all_threads=True))
+                _replace(self.folder / meta_name, lambda f: f.write((json.dumps(meta) + "\n").encode()))
             except Exception as exc:  # diagnostics must not turn a hang into another failure
                 print(f"[ddpjob] could not write traces: {exc}", flush=True)
 
+    def names(self) -> tuple[str, str, str]:
+        """This rank's files: flight records, stacks, meta."""
+        return f"rank_{self.rank}", f"stack_{self.rank}.txt", f"meta_{self.rank}.json"
+
+
+def _replace(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as f:
+        write(f)
+    os.replace(temporary, path)
+
 
 def _flight_records() -> bytes | None:
-    """torch's flight-recorder dump of this process's groups, or None where this torch has none."""
+    """torch's flight-recorder dump of the default group's backend (NCCL keeps its own recorder),
+    or None where this torch has none."""
     try:
+        import torch.distributed as dist
         from torch._C import _distributed_c10d as c10d
     except ImportError:
         return None
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    dump = getattr(c10d, "_dump_nccl_trace" if nccl else "_dump_fr_trace", None)
     try:
         return dump() if dump else None
     except RuntimeError:
