@@ -106,9 +106,10 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 def records(run_dir: Path) -> list[dict]:
-    """The run's metrics.jsonl records (empty before the first)."""
+    """The run's metrics.jsonl records (empty before the first). Only whole lines: while the job
+    runs, the last one may be half written."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
 def samples_by_step(run_dir: Path, samples_dir: Path) -> dict[int, list[int]]:
