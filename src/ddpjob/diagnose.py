@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob.errors import UsageError
+from ddpjob.metrics import read_records
 
 DEFAULT_GROUP = "0"
 
@@ -142,13 +143,5 @@ def diagnose(run_dir: Path, world_size: int | None = None) -> str:
 def _world_size(run_dir: Path) -> int:
     """The world size of the job's newest start, from metrics.jsonl (0 if unknown)."""
     path = run_dir / "metrics.jsonl"
-    size = 0
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == "start":
-                size = int(record.get("world_size", 0))
-    return size
+    starts = [r for r in read_records(path, "diagnose") if r.get("event") == "start"] if path.is_file() else []
+    return int(starts[-1].get("world_size", 0)) if starts else 0

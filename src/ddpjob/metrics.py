@@ -112,6 +112,18 @@ class Metrics:
             self.tb = None
 
 
+def read_records(path: Path, reader: str) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (metrics.jsonl, attempts.jsonl); a line cut by a crash is
+    skipped, and ``reader`` (the command) says so."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"[ddpjob] {reader}: skipping unreadable line {number} of {path}")
+    return records
+
+
 def append_attempt(run_dir: str, **fields: Any) -> None:
     """A line in RUN_DIR/attempts.jsonl, the record of every node's attempts and membership changes
     (appended by every node, never truncated): time, host and ``fields``."""

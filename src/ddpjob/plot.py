@@ -5,24 +5,18 @@ Restarts of the worker group and resumes from a checkpoint are marked with verti
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ddpjob import optional
 from ddpjob.errors import UsageError
+from ddpjob.metrics import read_records
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UsageError(f"{path} does not exist; pass the run dir (with metrics.jsonl) of a ddpjob run")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a crash: the rest is still worth plotting
-            print(f"[ddpjob] plot: skipping unreadable line {number} of {path}")
-    return records
+    return read_records(path, "plot")  # a line cut by a crash: the rest is still worth plotting
 
 
 def series(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:

@@ -275,8 +275,8 @@ def train(
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
 
-    batching = Batching.of(cfg, env.world_size)
-    sampler = EpochSampler(len(train_set), batching, env.rank, cfg.seed)  # type: ignore[arg-type]
+    batching, samples = Batching.of(cfg, env.world_size), len(train_set)  # type: ignore[arg-type]
+    sampler = EpochSampler(samples, batching, env.rank, cfg.seed)
     loader_rng = torch.Generator()
     loader = DataLoader(
         train_set,
@@ -288,18 +288,18 @@ def train(
         persistent_workers=cfg.num_workers > 0,
         pin_memory=device.type == "cuda",
     )
-    steps_per_epoch = batching.steps_per_epoch(len(train_set))  # type: ignore[arg-type]
+    steps_per_epoch = batching.steps_per_epoch(samples)
     if steps_per_epoch == 0:
         raise UsageError(
             f"a global batch of {batching.global_batch} samples (--batch-size {cfg.batch_size} x {batching.grad_accum} "
-            f"micro-batches x {env.world_size} processes) exceeds the {len(train_set)} samples of an epoch; lower it"  # type: ignore[arg-type]
+            f"micro-batches x {env.world_size} processes) exceeds the {samples} samples of an epoch; lower it"
         )
     schedule_steps = steps_per_epoch * cfg.epochs  # the LR schedule ignores --max-steps, so stopping early
     total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = Schedule(optimizer, schedule_steps)
-    progress = Progress(samples=len(train_set))  # type: ignore[arg-type]
+    progress = Progress(samples=samples)
     checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress)
     resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
@@ -372,7 +372,7 @@ def train(
                 if progress.step >= total_steps:
                     break
                 own.start()
-            if not batching.steps_left(len(train_set), progress.sample):  # type: ignore[arg-type]
+            if not batching.steps_left(samples, progress.sample):
                 if val_set is not None:  # epoch finished: evaluate, move on
                     result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
                     metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
