@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpjob import batches, config, optim
+from ddpjob import batches, config, optim, plot
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import UsageError
 from ddpjob.evaluation import evaluate, token_count
@@ -178,3 +178,14 @@ def test_evaluation_weighs_a_token_model_by_its_counted_tokens_and_a_classifier_
     with torch.no_grad():
         assert scores["val_loss"] == pytest.approx(nn.functional.cross_entropy(classifier(x), y).item(), rel=1e-6)
         assert scores["accuracy"] == (classifier(x).argmax(1) == y).sum().item() / 5
+
+
+def test_plot_shows_the_held_out_loss_of_a_job_without_accuracy():
+    records = [
+        {"event": "train", "step": 1, "loss": 3.0, "samples_per_s": 9.0},
+        {"event": "eval", "step": 1, "val_loss": 2.5, "perplexity": 12.2},
+        {"event": "final", "step": 1, "val_loss": 2.5, "params": "ab"},
+    ]
+    assert plot.series(records)["held-out loss"] == ([1, 1], [2.5, 2.5])
+    records[1]["accuracy"] = 0.5
+    assert plot.series(records)["held-out accuracy"] == ([1], [0.5])
