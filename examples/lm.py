@@ -139,8 +139,9 @@ def corpus_files(max_bytes: int = 2_000_000) -> list[Path]:
 
 
 def is_held_out(index: int, val_fraction: float) -> bool:
-    """Evenly spread: file i is held out when (i + 1) * val_fraction crosses an integer."""
-    return math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
+    """Evenly spread, about len * val_fraction files: file i is held out when (i + 1/2) * val_fraction
+    reaches a whole number (with 0.05: files 9, 29, 49, ...)."""
+    return math.floor((index + 1) * val_fraction + 0.5) > math.floor(index * val_fraction + 0.5)
 
 
 def stdlib_text(
