@@ -139,13 +139,14 @@ def write(state: Mapping[str, torch.Tensor], dst: Path, max_shard_size: str = ""
     model.safetensors when it fits in one shard, else numbered shards and their index. Returns
     what was written, in words."""
     save_file = optional.require("safetensors.torch", "ddpjob ckpt convert --to safetensors").save_file
+    max_bytes = parse_size(max_shard_size) if max_shard_size else 0
     tensors = distinct(state)
     dropped = f", {len(state) - len(tensors)} tied tensor(s) stored once" if len(tensors) < len(state) else ""
-    if not max_shard_size:
+    if not max_bytes:
         dst.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(dst), metadata={"format": "pt"})
         return f"{len(tensors)} tensors{dropped}"
-    shards = shard(tensors, parse_size(max_shard_size))
+    shards = shard(tensors, max_bytes)
     dst.mkdir(parents=True, exist_ok=True)
     if len(shards) == 1:
         save_file(tensors, str(dst / SINGLE), metadata={"format": "pt"})
