@@ -3,7 +3,6 @@ Hugging Face model from a config, a regression with its own loss, the tutorial's
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpjob import checkpoint, checkpointer
 from helpers import (
     REPO,
     assert_bitwise_equal,
@@ -26,7 +26,7 @@ from helpers import (
 )
 
 sys.path.insert(0, str(REPO))
-from examples import lm  # noqa: E402
+from examples import lm, regression
 
 # A small LM and corpus, so that a run takes seconds: used where the figure does not matter.
 SMALL_LM = "examples.lm:tiny_lm(dim=32, layers=1, heads=2, block=32, dropout=0.1)"
@@ -138,53 +138,56 @@ def test_lm_stopped_by_sigterm_resumes_to_the_same_parameters_bitwise(work, tmp_
 @pytest.mark.slow
 def test_hf_gpt2_trains_on_its_own_loss_and_reloads_in_transformers_from_safetensors(work):
     transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
-
     from examples.hf_tiny import config
+    from safetensors.torch import load_file
 
     text = "examples.lm:stdlib_text(block=32, max_bytes=200_000)"
     model = "examples.hf_tiny:tiny_gpt2(block=32)"
-    ok(ddpjob(["train", "--model", model, "--data", text, "--max-steps", "30", "--batch-size", "16"], work))
+    ok(ddpjob(["train", "--model", model, "--data", text, "--max-steps", "40", "--batch-size", "16"], work))
     run_dir = work / "runs/ddpjob"
     final = finals(run_dir)
     assert final["val_loss"] < 4.0, final  # it learned: an untrained model is at about ln 256 = 5.55
+    assert final["perplexity"] == pytest.approx(math.exp(final["val_loss"]))
 
-    (step,) = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-")][-1:]
     export = work / "gpt2"
-    export.mkdir()
-    ok(ddpjob(["ckpt", "convert", str(step), str(export / "model.safetensors"), "--to", "safetensors"], work))
+    newest = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
+    ok(ddpjob(["ckpt", "convert", str(newest), str(export / "model.safetensors"), "--to", "safetensors"], work))
     config(block=32).save_pretrained(export)
 
     loaded = transformers.GPT2LMHeadModel.from_pretrained(export).eval()
     by_hand = transformers.GPT2LMHeadModel(config(block=32)).eval()
-    by_hand.load_state_dict(load_file(str(export / "model.safetensors")), strict=False)
-    trained = final_params(run_dir)
+    missing, unexpected = by_hand.load_state_dict(load_file(str(export / "model.safetensors")), strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding: stored once
+    trained = transformers.GPT2LMHeadModel(config(block=32)).eval()
+    trained.load_state_dict(final_params(run_dir))
     _, val = lm.stdlib_text(block=32, max_bytes=200_000)
     ids = torch.stack([val[i]["input_ids"] for i in range(8)])
     with torch.no_grad():
-        a, b = loaded(ids).logits, by_hand(ids).logits
-        fresh = transformers.GPT2LMHeadModel(config(block=32)).eval()
-        fresh.load_state_dict(trained)
-        assert torch.equal(a, b) and torch.equal(a, fresh(ids).logits)
-        assert abs(loaded(ids, labels=ids).loss.item() - final["val_loss"]) < 0.5
+        logits = trained(ids).logits
+        assert torch.equal(loaded(ids).logits, logits) and torch.equal(by_hand(ids).logits, logits)
+        assert loaded(ids, labels=ids).loss.item() < 4.0
 
 
 @pytest.mark.slow
 def test_regression_trains_with_its_user_loss_and_logs_the_extra_metric(work):
     args = ["--model", "examples.regression:model", "--data", "examples.regression:data"]
-    ok(ddpjob(["train", *args, "--loss", "examples.regression:mse_loss", "--epochs", "8"], work))
+    ok(ddpjob(["train", *args, "--loss", "examples.regression:mse_loss", "--epochs", "8", "--log-every", "50"], work))
     run = records(work / "runs/ddpjob")
-    final = finals(work / "runs/ddpjob")
-    first = next(r for r in run if r["event"] == "eval")
+    first, final = next(r for r in run if r["event"] == "eval"), finals(work / "runs/ddpjob")
     print(f"\nregression: val mse {first['val_loss']:.4f} -> {final['val_loss']:.4f}, mae {final['mae']:.4f}")
-    assert final["val_loss"] < 0.02 and final["mae"] < 0.12, final
-    assert "accuracy" not in final
+    target = regression.data()[1].tensors[1]
+    assert final["val_loss"] < 0.1 * target.var().item() and final["val_loss"] < first["val_loss"]
+    assert final["mae"] < 0.3 * (target - target.mean()).abs().mean().item()  # predicting the mean: 0.60
+    assert "accuracy" not in final and all("mae" in r for r in run if r["event"] == "train")
 
 
 @pytest.mark.slow
 def test_tutorial_model_trains_with_the_tutorials_sgd_settings(work):
     args = ["--model", "examples.tutorial:model", "--data", "examples.tutorial:data"]
     ok(torchrun([*args, "--optimizer", "sgd", "--lr", "1e-3", "--epochs", "2", "--log-every", "5"], work))
-    trains = [r for r in records(work / "runs/ddpjob") if r["event"] == "train"]
-    assert trains and all(r["lr"] <= 1e-3 for r in trains)
-    print(json.dumps(trains[-1]))
+    run_dir = work / "runs/ddpjob"
+    newest = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
+    for group in checkpoint.read(newest)["optimizer"]["param_groups"]:
+        assert "momentum" in group and "betas" not in group  # torch's SGD, not the default AdamW
+    assert max(r["lr"] for r in records(run_dir) if r["event"] == "train") <= 1e-3
+    assert finals(run_dir)["step"] == 2 * (1000 // (2 * 32))  # 2 epochs of whole global batches
