@@ -80,10 +80,14 @@ LM_TEST_RUN = [
     "examples.lm:stdlib_text(block=64, max_bytes=500_000)",
     "--batch-size",
     "16",
+    "--epochs",
+    "1",
     "--max-steps",
-    "80",
+    "120",
     "--lr",
     "3e-3",
+    "--warmup-steps",
+    "10",
     "--log-every",
     "20",
     "--save-every",
@@ -97,7 +101,8 @@ def test_lm_learns_the_held_out_text_beyond_byte_frequencies(work):
     ok(torchrun(LM_TEST_RUN, work, timeout=600))
     final = finals(work / "runs/ddpjob")
     print(f"\nshort LM run: held-out loss {final['val_loss']:.3f} nats/byte")
-    assert final["val_loss"] < 2.6, final  # byte frequencies alone: about 3.2 nats; uniform: ln 256 = 5.55
+    # Byte frequencies alone (the train split's, on the held-out text): 2.92 nats; uniform: ln 256 = 5.55.
+    assert final["val_loss"] < 2.6, final
 
 
 @pytest.mark.slow
