@@ -15,13 +15,14 @@ labels itself, so a batch's labels are its input_ids.
 is the same on every installation of a Python version: site-packages and dist-packages, the
 ``test``, ``tests`` and ``idle_test`` folders (the official Docker images delete exactly those),
 and the build-specific ``config-*`` folder and ``_sysconfigdata*`` module. Whole files are taken
-in path order until ``max_bytes``; every ``1/val_fraction``-th file (fixed, by file, not by byte)
+in path order until ``max_bytes``; every ``1/val_fraction``-th file (fixed, by file, not by byte: files 9, 29, 49, ... with 0.05)
 is held out for validation. Nothing is downloaded and it loads in well under a second.
 
 The corpus depends on the Python version (the standard library changes between releases, a
 little between patch releases too): with the default arguments, CPython 3.11.7 (this repo's CI
-and ``python:3.11-slim`` image use 3.11) gives 128 files, 1.99 MB, of which 7 files (101 kB) are
-held out. ``corpus_files()`` lists them for any other interpreter.
+and ``python:3.11-slim`` image use 3.11) gives 109 files, 2,002,841 bytes, from ``__future__.py``
+to ``difflib.py``, of which 5 files (91,398 bytes) are held out. ``corpus_files()`` lists them
+for any other interpreter.
 """
 
 from __future__ import annotations
