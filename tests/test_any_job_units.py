@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from ddpjob import batches, config, optim
+from ddpjob import batches, config, optim, plot
+from ddpjob.distenv import DistEnv
 from ddpjob.errors import UsageError
-from ddpjob.evaluation import token_count
+from ddpjob.evaluation import evaluate, token_count
 from ddpjob.losses import Loss
 from ddpjob.schedule import Schedule
 from plugins import anyjob
@@ -86,9 +87,10 @@ def test_a_loss_that_is_not_a_scalar_or_missing_is_one_usage_error(spec, output,
     assert "\n" not in message and all(word in message for word in words), message
 
 
-def test_token_count_skips_ignored_labels_and_only_counts_integer_labels():
-    assert token_count({"labels": torch.tensor([[1, -100, 3]])}).item() == 2
-    assert token_count({"labels": torch.tensor([0.5])}) is None and token_count((1, 2)) is None
+def test_token_count_is_the_predicted_labels_that_are_not_ignored():
+    assert token_count({"labels": torch.tensor([[1, -100, 3, 4], [-100, 1, 2, -100]])}).item() == 4
+    assert token_count({"labels": torch.tensor([[0.5, 1.0]])}) is None and token_count((1, 2)) is None
+    assert token_count({"labels": torch.tensor([1, 2])}) is None  # one label per sample: not a token model
 
 
 def cfg(**overrides) -> config.Config:
@@ -127,7 +129,7 @@ def test_an_optimizer_factory_gets_the_model_and_must_return_an_optimizer():
     model = anyjob.tiny_lm()
     built = optim.build_optimizer(cfg(optimizer="tests.plugins.anyjob:sgd_factory(lr=0.5)"), model)
     assert isinstance(built, torch.optim.SGD) and built.defaults["lr"] == 0.5
-    with pytest.raises(UsageError, match="returned a list, not a torch.optim.Optimizer"):
+    with pytest.raises(UsageError, match=r"returned a list, not a torch\.optim\.Optimizer"):
         optim.build_optimizer(cfg(optimizer="tests.plugins.anyjob:not_an_optimizer"), model)
 
 
@@ -155,3 +157,35 @@ def test_a_schedule_factory_is_a_function_of_the_step_and_must_give_numbers():
     assert lrs(anyjob.step_down, steps=4) == [1.0, 1.0, 0.1, 0.1, 0.1]
     with pytest.raises(UsageError, match="returned None for step 0, not a finite number"):
         lrs(lambda step, total: None, source="--schedule m:f")
+
+
+def test_evaluation_weighs_a_token_model_by_its_counted_tokens_and_a_classifier_by_samples():
+    torch.manual_seed(0)
+    labels = torch.randint(0, anyjob.VOCAB, (6, 8))
+    labels[0, 2:] = labels[3, 4:] = -100  # padding: batches of 2 predict 8, 14 and 10 counted targets
+    val = [{"input_ids": labels.clamp(min=0)[i], "labels": labels[i]} for i in range(6)]
+    model, env = anyjob.tiny_lm(), DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500, "single")
+    result = evaluate(model, val, Loss(), env, torch.device("cpu"), batch_size=2)
+    with torch.no_grad():
+        logits = model.head(model.norm(model.embed(labels.clamp(min=0))))
+        per_token = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, anyjob.VOCAB), labels[:, 1:].reshape(-1))
+    assert result["val_loss"] == pytest.approx(per_token.item(), rel=1e-6)  # the mean over every counted token
+    assert result["bits_per_token"] == pytest.approx(per_token.item() / math.log(2), rel=1e-6)
+
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 2, 1, 0])
+    classifier = nn.Linear(3, 3)
+    scores = evaluate(classifier, list(zip(x, y, strict=True)), Loss(), env, torch.device("cpu"), batch_size=2)
+    with torch.no_grad():
+        assert scores["val_loss"] == pytest.approx(nn.functional.cross_entropy(classifier(x), y).item(), rel=1e-6)
+        assert scores["accuracy"] == (classifier(x).argmax(1) == y).sum().item() / 5
+
+
+def test_plot_shows_the_held_out_loss_of_a_job_without_accuracy():
+    records = [
+        {"event": "train", "step": 1, "loss": 3.0, "samples_per_s": 9.0},
+        {"event": "eval", "step": 1, "val_loss": 2.5, "perplexity": 12.2},
+        {"event": "final", "step": 1, "val_loss": 2.5, "params": "ab"},
+    ]
+    assert plot.series(records)["held-out loss"] == ([1, 1], [2.5, 2.5])
+    records[1]["accuracy"] = 0.5
+    assert plot.series(records)["held-out accuracy"] == ([1], [0.5])

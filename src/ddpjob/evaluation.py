@@ -2,7 +2,8 @@
 
 - every job: ``val_loss``, the loss of ``--loss`` averaged over the set;
 - classifiers (the cross-entropy path): ``accuracy``;
-- token models (a dict batch with integer ``"labels"``): the loss weighted by tokens (labels != -100),
+- token models (a dict batch with integer ``"labels"`` per sequence, which the model shifts as Hugging
+  Face's do): the loss weighted by the tokens predicted (labels[..., 1:] != -100),
   ``perplexity`` (exp of it) and ``bits_per_token`` (it / ln 2);
 - a user loss's extra metrics, averaged the same way.
 
@@ -28,10 +29,11 @@ IGNORE_INDEX = -100  # labels that no loss counts (padding), as torch's cross_en
 
 
 def token_count(batch: Any) -> torch.Tensor | None:
-    """Tokens a token model's loss averages over: integer ``labels`` that are not -100; None for other batches."""
+    """Tokens a token model's loss averages over: of integer ``labels`` per sequence, those that are
+    not -100, the first of each left out (the model shifts: it predicts nothing); None for other batches."""
     label = batch.get("labels") if isinstance(batch, Mapping) else None
-    if isinstance(label, torch.Tensor) and not label.is_floating_point() and not label.is_complex():
-        return (label != IGNORE_INDEX).sum()
+    if isinstance(label, torch.Tensor) and label.dim() >= 2 and not label.is_floating_point():
+        return (label[..., 1:] != IGNORE_INDEX).sum()
     return None
 
 

@@ -259,9 +259,8 @@ def train(
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
-    runner = (
-        cast(nn.Module, torch.compile(model)) if cfg.compile else model
-    )  # after DDP: DDPOptimizer splits graphs at its buckets
+    # Compiled after wrapping, as torch documents for DDP: its DDPOptimizer splits the graph at DDP's buckets.
+    runner = cast(nn.Module, torch.compile(model)) if cfg.compile else model
 
     batching, samples = Batching.of(cfg, env.world_size), len(train_set)  # type: ignore[arg-type]
     sampler = EpochSampler(samples, batching, env.rank, cfg.seed)
