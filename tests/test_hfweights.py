@@ -98,3 +98,23 @@ def test_shards_hold_at_most_the_size_asked_and_a_larger_tensor_alone():
         4096,
         1500,
     ]
+
+
+def test_transformers_reads_our_sharded_set_and_we_read_its_own(tmp_path):
+    """Both ways with Hugging Face's own code: save_pretrained's shards (lm_head tied to the
+    embedding, so not stored) initialise the model; ours load with from_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    from tests.plugins.hf_gpt2 import config
+
+    theirs = train.build("tests.plugins.hf_gpt2:model", 0, None, "")
+    theirs.save_pretrained(tmp_path / "theirs", max_shard_size="8KB")
+    assert len(list((tmp_path / "theirs").glob("model-*-of-*.safetensors"))) >= 3
+    ours = train.build("tests.plugins.hf_gpt2:model", 1, hfweights.read(tmp_path / "theirs"), "theirs")
+    assert ours.lm_head.weight is ours.transformer.wte.weight
+    assert_bitwise_equal(ours.state_dict(), theirs.state_dict())
+
+    torch.save(theirs.state_dict(), tmp_path / "gpt2.pt")
+    ckpt_tools.convert(tmp_path / "gpt2.pt", tmp_path / "ours", "safetensors", "", "8KB")
+    config().save_pretrained(tmp_path / "ours")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
+    assert_bitwise_equal(loaded.state_dict(), theirs.state_dict())

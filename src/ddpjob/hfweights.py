@@ -157,6 +157,7 @@ def write(state: Mapping[str, torch.Tensor], dst: Path, max_shard_size: str = ""
         save_file(part, str(dst / name), metadata={"format": "pt"})
         located.update(dict.fromkeys(part, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": located}
+    count = sum(t.numel() for t in tensors.values())
+    index = {"metadata": {"total_size": total, "total_parameters": count}, "weight_map": located}
     (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return f"{len(tensors)} tensors in {len(shards)} shards and {INDEX}{dropped}"
