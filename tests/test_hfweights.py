@@ -118,3 +118,12 @@ def test_transformers_reads_our_sharded_set_and_we_read_its_own(tmp_path):
     config().save_pretrained(tmp_path / "ours")
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
     assert_bitwise_equal(loaded.state_dict(), theirs.state_dict())
+
+
+def test_dcp_folder_converts_to_a_sharded_set_with_the_same_weights(tmp_path):
+    weights = train.build("ddpjob.plugins:digits_mlp", 0, None, "").state_dict()
+    torch.save(weights, tmp_path / "w.pt")
+    ckpt_tools.convert(tmp_path / "w.pt", tmp_path / "dcp", "dcp", "")
+    out = ckpt_tools.convert(tmp_path / "dcp", tmp_path / "hf", "safetensors", "", "40KB")
+    assert "in 3 shards" in out
+    assert_bitwise_equal(hfweights.read(tmp_path / "hf"), weights)

@@ -83,9 +83,10 @@ def read(path: Path) -> dict[str, torch.Tensor]:
                 present = set(f.keys())
                 names = [k for k, v in wanted.items() if v == file.name] if wanted is not None else list(present)
                 if absent := [k for k in names if k not in present]:
+                    more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
                     raise UsageError(
-                        f"{index} maps {absent[0]} (and {len(absent) - 1} more) to {file.name}, which does not hold "
-                        "it: the shards are from another set; re-download or re-convert it"
+                        f"{index} maps {absent[0]}{more} to {file.name}, which does not hold it: the shards are "
+                        "from another set; re-download or re-convert it"
                     )
                 state.update((name, f.get_tensor(name)) for name in names)
         except UsageError:
