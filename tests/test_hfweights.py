@@ -2,6 +2,8 @@
 read memory-mapped by --init-from (every rank, or rank 0 and broadcast), written by ckpt convert."""
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ddpjob import checkpoint, ckpt_tools, hfweights, train
-from helpers import assert_bitwise_equal, ddpjob, final_params, ok, torchrun
+from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, torchrun, wait_until
 
 SHORT = ["--epochs", "1", "--log-every", "1000"]
 # One step with a learning rate too small to move any weight: the run saves the weights it started from.
@@ -45,6 +47,35 @@ def test_sharded_set_initialises_two_ranks_with_the_source_weights_by_mmap_and_b
         out = ok(torchrun([*UNMOVED, "--init-from", path, "--load-mode", mode, "--run-dir", mode], work))
         assert "DDP start-up broadcast skipped" in out
         assert_bitwise_equal(final_params(work / mode), source)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_storage_lacks_a_shard_waits_for_it_instead_of_failing(work):
+    """Ranks in folders of their own stand in for nodes with their own view of storage: rank 1's
+    copy of the set gets its last shard only after it has started waiting (a lagging NFS client)."""
+    source = trained(work)
+    ok(
+        ddpjob(
+            ["ckpt", "convert", "src/checkpoints/step-5.pt", "hf", "--to", "safetensors", "--max-shard-size", "40KB"],
+            work,
+        )
+    )
+    for rank in (0, 1):
+        shutil.copytree(work / "hf", work / f"node{rank}/hf")
+    late = work / "node1/hf/model-00003-of-00003.safetensors"
+    late.unlink()
+    env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [PY, "-m", "ddpjob", "train", *UNMOVED, "--init-from", "hf", "--fs-timeout", "60"]
+    logs = [work / f"node{rank}/log" for rank in (0, 1)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(cmd, cwd=log.parent, env={**env, "RANK": str(rank)}, stdout=out, stderr=out))
+    wait_until(lambda: "waiting up to 60 s to see hf (incomplete" in logs[1].read_text(), 120, "rank 1 to wait")
+    shutil.copyfile(work / "hf" / late.name, late)
+    assert [p.wait(timeout=180) for p in procs] == [0, 0], logs[1].read_text()[-2000:]
+    assert "every rank holds the weights of hf" in logs[0].read_text()
+    assert_bitwise_equal(final_params(work / "node0/runs/ddpjob"), source)
 
 
 @pytest.mark.slow
