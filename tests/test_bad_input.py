@@ -138,6 +138,12 @@ CASES = [
         ["--max-shard-size '2XB'", "such as 2GB"],
     ),
     (
+        "sharded set converted into its own folder",
+        ["ckpt", "convert", "hf/model.safetensors.index.json", "hf", "--to", "safetensors", "--max-shard-size", "1GB"],
+        {},
+        ["hf is (or holds) the input", "elsewhere"],
+    ),
+    (
         "shard size for a torch file",
         ["ckpt", "convert", "other_model.pt", "out.pt", "--max-shard-size", "2GB"],
         {},
