@@ -43,6 +43,9 @@ def test_sharded_set_initialises_two_ranks_with_the_source_weights_by_mmap_and_b
     assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert sorted(index["weight_map"]) == sorted(source)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in source.values())
+    inspected = ok(ddpjob(["ckpt", "inspect", "hf"], work))
+    assert "format:     sharded safetensors (3 shards, model.safetensors.index.json)" in inspected
+    assert "weights:    6 tensors, 26,122 values" in inspected
     for mode, path in (("mmap", "hf"), ("rank0", "hf/model.safetensors.index.json")):
         out = ok(torchrun([*UNMOVED, "--init-from", path, "--load-mode", mode, "--run-dir", mode], work))
         assert "DDP start-up broadcast skipped" in out
