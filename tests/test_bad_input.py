@@ -48,6 +48,8 @@ def make_sharded_sets(d):
                 found["weight_map"][key] = f"{shard}.safetensors"
         index.write_text(json.dumps(found))
     hfweights.write(digits_mlp(hidden=64).state_dict(), d / "other_shapes", "40KB")
+    hfweights.write(weights, d / "cut.safetensors")
+    (d / "cut.safetensors").write_bytes((d / "cut.safetensors").read_bytes()[:-50])
 
 
 CASES = [
@@ -129,6 +131,12 @@ CASES = [
         ["train", "--init-from", "other_shapes"],
         {},
         ["other_shapes does not fit the model", "shape mismatch for 0.weight: checkpoint (64, 64) vs model (128, 64)"],
+    ),
+    (
+        "init from a truncated safetensors file",
+        ["train", "--init-from", "cut.safetensors"],
+        {},
+        ["cut.safetensors is not a readable safetensors file"],
     ),
     ("resume from safetensors weights", ["train", "--resume", "hf"], {}, ["--resume hf", "with --init-from"]),
     (

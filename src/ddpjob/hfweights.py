@@ -80,8 +80,8 @@ def read(path: Path) -> dict[str, torch.Tensor]:
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                present = set(f.keys())
-                names = [k for k, v in wanted.items() if v == file.name] if wanted is not None else list(present)
+                present = list(f.keys())
+                names = [k for k, v in wanted.items() if v == file.name] if wanted is not None else present
                 if absent := [k for k in names if k not in present]:
                     more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
                     raise UsageError(
