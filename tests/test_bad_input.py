@@ -49,6 +49,8 @@ def make_sharded_sets(d):
                 found["weight_map"][key] = f"{shard}.safetensors"
         index.write_text(json.dumps(found))
     hfweights.write(digits_mlp(hidden=64).state_dict(), d / "other_shapes", "40KB")
+    hfweights.write(weights, d / "cut.safetensors")
+    (d / "cut.safetensors").write_bytes((d / "cut.safetensors").read_bytes()[:-50])
 
 
 CASES = [
@@ -131,12 +133,24 @@ CASES = [
         {},
         ["other_shapes does not fit the model", "shape mismatch for 0.weight: checkpoint (64, 64) vs model (128, 64)"],
     ),
+    (
+        "init from a truncated safetensors file",
+        ["train", "--init-from", "cut.safetensors"],
+        {},
+        ["cut.safetensors is not a readable safetensors file"],
+    ),
     ("resume from safetensors weights", ["train", "--resume", "hf"], {}, ["--resume hf", "with --init-from"]),
     (
         "shard size that is no size",
         ["ckpt", "convert", "other_model.pt", "out", "--to", "safetensors", "--max-shard-size", "2XB"],
         {},
         ["--max-shard-size '2XB'", "such as 2GB"],
+    ),
+    (
+        "sharded set converted into its own folder",
+        ["ckpt", "convert", "hf/model.safetensors.index.json", "hf", "--to", "safetensors", "--max-shard-size", "1GB"],
+        {},
+        ["hf is (or holds) the input", "elsewhere"],
     ),
     (
         "shard size for a torch file",

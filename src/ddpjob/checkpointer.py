@@ -224,7 +224,10 @@ def wait_visible(path: Path, identity: str, sealed: bool, timeout: float, rank: 
         mine, reason = "", "not visible"
         if path.exists():  # sealed: rank 0 saw its manifest, so this rank waits for it too (NFS lag)
             reason = (verify(path, None) or "") if sealed else ""
-            mine = "" if reason else format_of(path).identity(path)
+            try:
+                mine = "" if reason else format_of(path).identity(path)
+            except UsageError:  # a sharded set whose shards are not all here yet
+                reason = "incomplete (a shard is missing)"
         if mine == identity:
             return
         if mine:

@@ -80,11 +80,13 @@ def convert(src: Path, dst: Path, to: str, prefix: str, max_shard_size: str = ""
     max_shard_size a Hugging Face sharded set in the folder dst), with or without prefix."""
     if max_shard_size and to != "safetensors":
         raise UsageError(f"--max-shard-size shards safetensors only; add --to safetensors (not --to {to})")
+    inputs = [src, *(hfweights.files_of(src)[1] if hfweights.is_weights(src) else [])]
+    folder = dst.resolve() if max_shard_size else None  # shards are written into dst
+    if any(p.resolve() == dst.resolve() or p.resolve().parent == folder for p in inputs):
+        raise UsageError(f"{dst} is (or holds) the input; write the converted checkpoint elsewhere")
     weights = model_state(load_any(src), str(src))
     if prefix:
         weights = add_prefix(weights, prefix)
-    if dst.resolve() == src.resolve():
-        raise UsageError(f"{dst} is the input file; write the converted checkpoint elsewhere")
     if to == "dcp":
         sharded.write_model(weights, dst)
     elif to == "safetensors":

@@ -80,12 +80,13 @@ def read(path: Path) -> dict[str, torch.Tensor]:
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                present = set(f.keys())
-                names = [k for k, v in wanted.items() if v == file.name] if wanted is not None else list(present)
+                present = list(f.keys())
+                names = [k for k, v in wanted.items() if v == file.name] if wanted is not None else present
                 if absent := [k for k in names if k not in present]:
+                    more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
                     raise UsageError(
-                        f"{index} maps {absent[0]} (and {len(absent) - 1} more) to {file.name}, which does not hold "
-                        "it: the shards are from another set; re-download or re-convert it"
+                        f"{index} maps {absent[0]}{more} to {file.name}, which does not hold it: the shards are "
+                        "from another set; re-download or re-convert it"
                     )
                 state.update((name, f.get_tensor(name)) for name in names)
         except UsageError:
@@ -157,6 +158,7 @@ def write(state: Mapping[str, torch.Tensor], dst: Path, max_shard_size: str = ""
         save_file(part, str(dst / name), metadata={"format": "pt"})
         located.update(dict.fromkeys(part, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": located}
+    count = sum(t.numel() for t in tensors.values())
+    index = {"metadata": {"total_size": total, "total_parameters": count}, "weight_map": located}
     (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return f"{len(tensors)} tensors in {len(shards)} shards and {INDEX}{dropped}"
