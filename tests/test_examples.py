@@ -1,5 +1,6 @@
 """The examples of "any training job": a language model on the standard library's sources, a
-Hugging Face model from a config, a regression with its own loss, the tutorial's SGD settings."""
+Hugging Face model from a config, a regression with its own loss. (The tutorial with its SGD
+settings: tests/test_any_job.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob import checkpoint, checkpointer
+from ddpjob import checkpointer
 from helpers import (
     REPO,
     assert_bitwise_equal,
@@ -184,15 +185,3 @@ def test_regression_trains_with_its_user_loss_and_logs_the_extra_metric(work):
     assert final["val_loss"] < 0.1 * target.var().item() and final["val_loss"] < first["val_loss"]
     assert final["mae"] < 0.3 * (target - target.mean()).abs().mean().item()  # predicting the mean: 0.60
     assert "accuracy" not in final and all("mae" in r for r in run if r["event"] == "train")
-
-
-@pytest.mark.slow
-def test_tutorial_model_trains_with_the_tutorials_sgd_settings(work):
-    args = ["--model", "examples.tutorial:model", "--data", "examples.tutorial:data"]
-    ok(torchrun([*args, "--optimizer", "sgd", "--lr", "1e-3", "--epochs", "2", "--log-every", "5"], work))
-    run_dir = work / "runs/ddpjob"
-    newest = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
-    for group in checkpoint.read(newest)["optimizer"]["param_groups"]:
-        assert "momentum" in group and "betas" not in group  # torch's SGD, not the default AdamW
-    assert max(r["lr"] for r in records(run_dir) if r["event"] == "train") <= 1e-3
-    assert finals(run_dir)["step"] == 2 * (1000 // (2 * 32))  # 2 epochs of whole global batches
