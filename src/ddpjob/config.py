@@ -104,7 +104,10 @@ class Config:
         "fail", "fail: exit 3 when a checkpoint cannot be written; warn: log and go on", ("fail", "warn")
     )
     resume: str = _opt("auto", "auto: newest valid checkpoint in CHECKPOINT_DIR; never; or a checkpoint PATH")
-    init_from: str = _opt("", "load model weights only from PATH (ddpjob checkpoint or any state dict)")
+    init_from: str = _opt(
+        "",
+        "load model weights only from PATH (ddpjob checkpoint, any state dict, .safetensors, Hugging Face sharded dir)",
+    )
     load_mode: str = _opt(
         "mmap", "mmap: every rank maps the file; rank0: rank 0 reads and broadcasts (no shared fs)", ("mmap", "rank0")
     )
