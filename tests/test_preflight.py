@@ -4,12 +4,13 @@
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from ddpjob.preflight import assess, round_robin
-from helpers import PY, clean_env, ddpjob
+from helpers import PY, clean_env, ddpjob, free_port
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="creates network namespaces (root)")
 GB = 1e9
@@ -183,3 +184,12 @@ def test_all_nodes_on_equal_links_names_no_node_and_exits_0(work, three_hosts):
     codes, out = run_nodes(work, three_hosts, "--slow-factor", "0.25")
     assert codes == [0, 0, 0], out[-3000:]
     assert "preflight: ok: no node or link below 0.25x the median" in out and "SLOW" not in out
+
+
+def test_a_missing_node_fails_within_the_rendezvous_timeout_in_one_line(work):
+    flags = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "6"]
+    start = time.monotonic()
+    proc = ddpjob(["doctor", "--all-nodes", *flags], work, timeout=90)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "for 2 nodes failed" in out and "1 of 2 nodes joined" in out, out[-2000:]
+    assert "Traceback" not in out and time.monotonic() - start < 6 + 30
