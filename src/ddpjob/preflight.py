@@ -91,7 +91,8 @@ def run_all_nodes(cfg: Config, plan: Plan, argv: Sequence[str]) -> int:
     )
     code, reason = launch.run_torchrun(cmd, plan, cfg.rdzv_timeout, cfg.shutdown_timeout)
     if code:
-        print(f"[ddpjob] doctor: node {launch.node_name(plan)}: {reason}", file=sys.stderr, flush=True)
+        why = "a node or link was named (rank 0's report) or the check failed (the line above)"
+        print(f"[ddpjob] doctor: node {launch.node_name(plan)}: {reason}: {why}", file=sys.stderr, flush=True)
     return code
 
 
@@ -173,7 +174,7 @@ def ping_pong(peer: int, first: bool, buf: Any, tries: int) -> float:
     return best
 
 
-def link_figures(device: Any, node: int, leaders: dict[int, int], rank: int) -> dict[str, list[float]]:
+def link_figures(device: Any, leaders: dict[int, int], rank: int) -> dict[str, list[float]]:
     """'a-b' -> [latency s, bandwidth B/s] for the links this rank measured (as node a's leader)."""
     import torch
     import torch.distributed as dist
@@ -211,7 +212,7 @@ def measure(device: Any, rank: int, node: int, local_rank: int) -> list[dict[str
     leaders = {r["node"]: r["rank"] for r in everyone if r["local_rank"] == 0}
     me["matmul"] = matmul_flops(device)
     me["allreduce"] = allreduce_times(device)
-    me["links"] = link_figures(device, node, leaders, rank)
+    me["links"] = link_figures(device, leaders, rank)
     dist.all_gather_object(everyone, me)
     return everyone
 
