@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ddpjob import config, versions
-from ddpjob.errors import EXIT_FAILED, EXIT_OK, Retriable, StorageError, UsageError, exit_code_for
+from ddpjob.errors import EXIT_FAILED, EXIT_OK, UsageError, run_guarded
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -154,14 +154,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _unknown(argv: Sequence[str]) -> int:
     raise UsageError(f"unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}")
-
-
-def run_guarded(command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
-    """Run a command; our errors become one line on stderr and their exit code."""
-    try:
-        return command(argv)
-    except (UsageError, StorageError, Retriable) as exc:
-        print(f"ddpjob: error: {exc}", file=sys.stderr, flush=True)
-        return exit_code_for(exc)
-    except KeyboardInterrupt:
-        return 130

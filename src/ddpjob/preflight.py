@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpjob.config import Config
-from ddpjob.errors import EXIT_FAILED, EXIT_OK, UsageError
+from ddpjob.errors import EXIT_FAILED, EXIT_OK, UsageError, run_guarded
 from ddpjob.plan import Plan
 
 ALLREDUCE_SIZES = {"cpu": (8, 1 << 20, 8 << 20), "cuda": (8, 1 << 20, 64 << 20)}
@@ -409,6 +409,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    from ddpjob.cli import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))
