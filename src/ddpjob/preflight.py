@@ -189,7 +189,7 @@ def link_figures(device: Any, leaders: dict[int, int], rank: int) -> dict[str, l
                 continue
             first, peer = rank == leaders[a], leaders[b] if rank == leaders[a] else leaders[a]
             latency = ping_pong(peer, first, small, 5) / 2
-            bandwidth = 2 * large.numel() * 4 / ping_pong(peer, first, large, 2)
+            bandwidth = 2 * large.numel() * 4 / ping_pong(peer, first, large, 4)
             if first:
                 links[f"{a}-{b}"] = [latency, bandwidth]
         dist.barrier()  # one round at a time: a node is in one pair only
