@@ -2,7 +2,8 @@
 
 - ``train``: the worker; runs under torchrun, srun, a plain RANK/WORLD_SIZE env, or alone.
 - ``launch``: the node agent every launcher calls; starts torchrun with derived arguments.
-- ``doctor``: preflight checks with a fix for each problem (``launch`` runs them briefly too).
+- ``doctor``: preflight checks with a fix for each problem (``launch`` runs them briefly too);
+  ``doctor --all-nodes`` measures every node through the launcher and names the slow ones.
 - ``plot``, ``ckpt``: look at a run's metrics; inspect and convert checkpoints.
 - ``config``: the resolved config as a .env file (``.env.example`` is its output with defaults).
 """
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ddpjob import config, versions
-from ddpjob.errors import EXIT_FAILED, EXIT_OK, Retriable, StorageError, UsageError, exit_code_for
+from ddpjob.errors import EXIT_FAILED, EXIT_OK, UsageError, run_guarded
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -42,12 +43,17 @@ def _config(argv: Sequence[str]) -> int:
 def _doctor(argv: Sequence[str]) -> int:
     import torch
 
-    from ddpjob import doctor, launch
+    from ddpjob import doctor, launch, preflight
 
     parser = config.make_parser("ddpjob doctor", "Check this node before (or instead of) joining the job.")
     config.add_config_flags(parser)
-    cfg = config.load(parser.parse_args(argv))
+    preflight.add_flags(parser)
+    args = parser.parse_args(argv)
+    preflight.check_flags(args)
+    cfg = config.load(args)
     plan = launch.resolve_plan(cfg, os.environ, torch.cuda.device_count())
+    if args.all_nodes:
+        return preflight.run_all_nodes(cfg, plan, argv)
     return EXIT_OK if doctor.report(doctor.run(cfg, plan)) else EXIT_FAILED
 
 
@@ -127,7 +133,10 @@ def _launch(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (_train, "run the training worker (under torchrun, srun, or alone)"),
     "launch": (_launch, "start this node's workers with torchrun (what every launcher calls)"),
-    "doctor": (_doctor, "preflight checks of this node (rendezvous, /dev/shm, interfaces, devices, disk)"),
+    "doctor": (
+        _doctor,
+        "checks of this node; --all-nodes: bandwidth, latency and speed of every node, slow ones named",
+    ),
     "plot": (_plot, "PNG of loss, accuracy and throughput of a run, marking restarts and resumes"),
     "diagnose": (_diagnose, "which rank stopped a stuck job, in which collective, from RUN_DIR/traces"),
     "ckpt": (_ckpt, "inspect or convert checkpoints (module. prefix, plain, safetensors, sharded safetensors)"),
@@ -147,12 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
-    try:
-        if command is None:
-            raise UsageError(f"unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}")
-        return command[0](argv[1:])
-    except (UsageError, StorageError, Retriable) as exc:
-        print(f"ddpjob: error: {exc}", file=sys.stderr, flush=True)
-        return exit_code_for(exc)
-    except KeyboardInterrupt:
-        return 130
+    if command is None:
+        return run_guarded(_unknown, argv)
+    return run_guarded(command[0], argv[1:])
+
+
+def _unknown(argv: Sequence[str]) -> int:
+    raise UsageError(f"unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}")

@@ -1,4 +1,7 @@
-"""Exit codes and the one error type that means "bad input": one line, exit code 2."""
+"""Exit codes, the error types, and how an error becomes one line and its exit code (run_guarded)."""
+
+import sys
+from collections.abc import Callable, Sequence
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -43,3 +46,14 @@ def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, StorageError):
         return EXIT_STORAGE
     return EXIT_FAILED
+
+
+def run_guarded(command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
+    """Run a command; our errors become one line on stderr and their exit code."""
+    try:
+        return command(argv)
+    except (UsageError, StorageError, Retriable) as exc:
+        print(f"ddpjob: error: {exc}", file=sys.stderr, flush=True)
+        return exit_code_for(exc)
+    except KeyboardInterrupt:
+        return 130

@@ -230,7 +230,9 @@ def node_name(plan: Plan) -> str:
     return f"{plan.node_rank if plan.node_rank is not None else '?'} ({socket.gethostname()})"
 
 
-def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> list[str]:
+def torchrun_args(
+    cfg: config.Config, plan: Plan, train_argv: Sequence[str], worker: Sequence[str] = ("-m", "ddpjob", "train")
+) -> list[str]:
     log_dir = os.path.join(cfg.run_dir, "logs", socket.gethostname())
     args = [
         f"--nproc-per-node={plan.nproc_per_node}",
@@ -253,7 +255,7 @@ def torchrun_args(cfg: config.Config, plan: Plan, train_argv: Sequence[str]) -> 
             f"--rdzv-conf={host}join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}"
             + (f",last_call_timeout={cfg.elastic_wait}" if plan.elastic else ""),
         ]
-    return [*args, "-m", "ddpjob", "train", *train_argv]
+    return [*args, *worker, *train_argv]
 
 
 def main(argv: Sequence[str]) -> int:
