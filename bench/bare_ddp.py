@@ -27,11 +27,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("width", "depth", "samples", "batch", "steps"):
         parser.add_argument(name, type=int)
-    parser.add_argument("mode", nargs="*", choices=("cuda", "bf16"))
+    parser.add_argument("mode", nargs="*", help="cuda, bf16")
     parser.add_argument("--times", default="", help="OUT: write per-step times to OUT.RANK.json")
     parser.add_argument("--window", default="100,600", help="FIRST,LAST steps timed with --times")
     parser.add_argument("--schedule-steps", type=int, default=0, help="the cosine schedule's length (0: STEPS)")
     a = parser.parse_args()
+    if set(a.mode) - {"cuda", "bf16"}:
+        parser.error(f"unknown mode(s) {a.mode}: cuda, bf16")
     cuda, bf16 = "cuda" in a.mode, "bf16" in a.mode
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
