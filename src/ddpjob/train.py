@@ -17,24 +17,26 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
-from ddpjob import rng
+from ddpjob import optim, rng
+from ddpjob.batches import forward, to_device
 from ddpjob.batching import Batching, EpochSampler
 from ddpjob.checkpointer import Checkpointer, Loaded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, UsageError, exit_code_for, first_line
+from ddpjob.evaluation import evaluate
+from ddpjob.losses import Loss
 from ddpjob.metrics import Metrics, append_attempt, process_started
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
-from ddpjob.schedule import Schedule
 from ddpjob.stragglers import Stragglers
 from ddpjob.traces import Tracer, enable_nccl_dumps, start_watchdog
 from ddpjob.weights import load_weights, model_state, unwrap
@@ -145,29 +147,9 @@ def check_replicas_equal(model: nn.Module, env: DistEnv) -> str:
     return mine
 
 
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, val_set: Dataset[Any], env: DistEnv, device: torch.device, batch_size: int
-) -> dict[str, float]:
-    """Accuracy and loss on the validation set, each rank taking every world_size-th sample."""
-    model.eval()
-    shard = Subset(val_set, range(env.rank, len(val_set), env.world_size))  # type: ignore[arg-type]
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in DataLoader(shard, batch_size=batch_size):
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        totals += torch.stack(
-            [
-                nn.functional.cross_entropy(logits, y, reduction="sum").double(),
-                (logits.argmax(1) == y).sum().double(),
-                torch.tensor(len(y), dtype=torch.float64, device=device),
-            ]
-        )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
-    model.train()
-    loss, correct, count = totals.tolist()
-    return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
+def summary(scores: dict[str, float]) -> str:
+    """'val_loss 0.1234 accuracy 0.9600': evaluation's figures for a log line."""
+    return " ".join(f"{name} {value:.4f}" for name, value in scores.items())
 
 
 def report_resize(
@@ -218,6 +200,8 @@ def run(cfg: Config, env: DistEnv) -> int:
         exit_with_parent()  # an agent killed with SIGKILL must not leave its workers training on
     device = pick_device(cfg, env)
     load_callable(cfg.model)  # import errors surface here, before any network wait
+    loss = Loss(cfg.loss)
+    optim.check_plugins(cfg)
     train_set, val_set = build_data(cfg.data)
     tracer = Tracer(cfg.run_dir, env.rank)
     if cfg.strategy == "ddp":
@@ -230,7 +214,7 @@ def run(cfg: Config, env: DistEnv) -> int:
     # (Before, a blocking rendezvous would hold a handled signal until it returned.)
     stop = StopSignal(cfg.stop_check_every, device)
     try:
-        return train(cfg, env, device, stop, train_set, val_set, joined, tracer)
+        return train(cfg, env, device, stop, train_set, val_set, loss, joined, tracer)
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
             tracer.dump(f"a collective failed: {backend_message(exc)}", keep=True)
@@ -255,6 +239,7 @@ def train(
     stop: StopSignal,
     train_set: Dataset[Any],
     val_set: Dataset[Any] | None,
+    loss: Loss,
     joined: float,
     tracer: Tracer,
 ) -> int:
@@ -274,6 +259,9 @@ def train(
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
+    runner = (
+        cast(nn.Module, torch.compile(model)) if cfg.compile else model
+    )  # after DDP: DDPOptimizer splits graphs at its buckets
 
     batching, samples = Batching.of(cfg, env.world_size), len(train_set)  # type: ignore[arg-type]
     sampler = EpochSampler(samples, batching, env.rank, cfg.seed)
@@ -297,8 +285,8 @@ def train(
     schedule_steps = steps_per_epoch * cfg.epochs  # the LR schedule ignores --max-steps, so stopping early
     total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = Schedule(optimizer, schedule_steps)
+    optimizer = optim.build_optimizer(cfg, unwrap(model))
+    schedule = optim.build_schedule(cfg, optimizer, schedule_steps)
     progress = Progress(samples=samples)
     checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress)
     resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
@@ -325,7 +313,6 @@ def train(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     tracer.current_step = lambda: progress.step
     watchdog = start_watchdog(tracer, cfg.heartbeat, cfg.trace_after) if cfg.heartbeat or cfg.trace_after else None
-    loss_fn = nn.CrossEntropyLoss()
     own = Stragglers(env, device, cfg.straggler_factor, cfg.straggler_intervals)  # each rank's own step time
     own.attach(model)
     accum = batching.grad_accum
@@ -339,25 +326,28 @@ def train(
             loader_rng.manual_seed(cfg.seed * 100_003 + progress.epoch)
             micro = 0
             own.start()
-            for x, y in loader:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            for batch in loader:
+                batch = to_device(batch, device)
                 micro += 1
                 sync_now = micro == accum
                 no_sync = model.no_sync() if isinstance(model, DDP) and not sync_now else contextlib.nullcontext()
                 with no_sync:
                     with autocast:
-                        loss = loss_fn(model(x), y)
-                    (loss / accum if accum > 1 else loss).backward()
+                        result = loss(forward(runner, batch), batch)
+                    (result.value / accum if accum > 1 else result.value).backward()
                 if not sync_now:
                     continue
                 micro = 0
+                logged = dict(result.extras)  # averaged over the logging interval, as the loss
+                if cfg.grad_clip:  # DDP's gradients are already averaged over ranks here
+                    logged["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
                 own.step_done()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
                 progress.sample += batching.global_batch
                 shared = own.share() if metrics.due(progress.step) else {}  # one gather per logging interval
-                metrics.step(progress.step, progress.epoch, loss, schedule.lr, **shared)
+                metrics.step(progress.step, progress.epoch, result.value, schedule.lr, logged, **shared)
                 schedule.set(progress.step)
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
@@ -374,26 +364,21 @@ def train(
                 own.start()
             if not batching.steps_left(samples, progress.sample):
                 if val_set is not None:  # epoch finished: evaluate, move on
-                    result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
-                    metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
+                    scores = evaluate(unwrap(model), val_set, loss, env, device, cfg.batch_size)
+                    metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **scores)
                     if env.is_main:
-                        print(
-                            f"[ddpjob] epoch {progress.epoch} accuracy {result['accuracy']:.4f} "
-                            f"val_loss {result['val_loss']:.4f}",
-                            flush=True,
-                        )
+                        print(f"[ddpjob] epoch {progress.epoch} {summary(scores)}", flush=True)
                 progress.epoch, progress.sample = progress.epoch + 1, 0
 
         stop.finish()
         if checkpointer.last_saved != progress.step:
             checkpointer.save(progress.step, progress.epoch)
         checkpointer.close()
-        final = evaluate(unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
+        final = evaluate(unwrap(model), val_set, loss, env, device, cfg.batch_size) if val_set is not None else {}
         params = check_replicas_equal(unwrap(model), env)
         if env.is_main:
-            summary = " ".join(f"{k} {v:.4f}" for k, v in final.items())
             print(
-                f"[ddpjob] done: step {progress.step} {summary} params {params} "
+                f"[ddpjob] done: step {progress.step} {summary(final)} params {params} "
                 f"({time.perf_counter() - start_time:.1f}s)",
                 flush=True,
             )
