@@ -127,7 +127,7 @@ def test_an_optimizer_factory_gets_the_model_and_must_return_an_optimizer():
     model = anyjob.tiny_lm()
     built = optim.build_optimizer(cfg(optimizer="tests.plugins.anyjob:sgd_factory(lr=0.5)"), model)
     assert isinstance(built, torch.optim.SGD) and built.defaults["lr"] == 0.5
-    with pytest.raises(UsageError, match="returned a list, not a torch.optim.Optimizer"):
+    with pytest.raises(UsageError, match=r"returned a list, not a torch\.optim\.Optimizer"):
         optim.build_optimizer(cfg(optimizer="tests.plugins.anyjob:not_an_optimizer"), model)
 
 

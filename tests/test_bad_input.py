@@ -14,6 +14,7 @@ from ddpjob import checkpoint, cli, hfweights
 from ddpjob.plugins import digits_mlp
 
 DIST = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+ANYJOB = "plugins.anyjob"  # tests/ is on sys.path (conftest.py)
 ELASTIC = ["launch", "--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:29999", "--nproc-per-node", "1"]
 
 
@@ -172,6 +173,33 @@ CASES = [
         ["--global-batch-size 64", "on 3 processes", "multiple of 48"],
     ),
     ("elastic job that a lost node would end", ELASTIC, {}, ["--nnodes 1:3 with --max-restarts 0", "--max-restarts N"]),
+    (
+        "loss that is not a scalar",
+        ["train", "--model", f"{ANYJOB}:regressor", "--data", f"{ANYJOB}:nested", "--loss", f"{ANYJOB}:per_sample"],
+        {},
+        ["the loss from --loss", "not a scalar", ".mean()"],
+    ),
+    (
+        "model that returns no loss on a batch without labels",
+        ["train", "--model", f"{ANYJOB}:tiny_lm", "--data", f"{ANYJOB}:tokens(key='targets')"],
+        {},
+        ["model returned no loss and the batch has no labels", "--loss MODULE:CALLABLE"],
+    ),
+    (
+        "optimizer factory that returns no optimizer",
+        ["train", "--optimizer", f"{ANYJOB}:not_an_optimizer"],
+        {},
+        ["returned a list, not a torch.optim.Optimizer"],
+    ),
+    ("unknown optimizer", ["train", "--optimizer", "lamb"], {}, ["--optimizer 'lamb'", "adamw, adam, sgd"]),
+    ("betas not two numbers", ["train", "--betas", "0.9"], {}, ["--betas '0.9'", "B1,B2"]),
+    (
+        "nesterov without momentum",
+        ["train", "--optimizer", "sgd", "--nesterov"],
+        {},
+        ["--nesterov needs", "--momentum"],
+    ),
+    ("compile neither on nor off", ["train", "--compile", "maybe"], {}, ["--compile='maybe'", "true or false"]),
 ]
 
 
