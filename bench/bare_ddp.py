@@ -1,6 +1,6 @@
 """A minimal hand-written DDP loop, the baseline for bench/loop.py, bench/startup.py and bench/gpu.sh.
 
-Same work as `ddpjob train` on the synthetic plug-ins: DistributedSampler, AdamW with a cosine
+Same work as `ddpjob train` on the synthetic plug-ins: DistributedSampler, fused AdamW with a cosine
 schedule, cross-entropy, per-batch device moves; no checkpoints, no metrics file. Run under torchrun.
     bare_ddp.py WIDTH DEPTH SAMPLES BATCH STEPS [cuda] [bf16] [--times OUT --window FIRST,LAST]
         [--schedule-steps N]
@@ -49,7 +49,7 @@ def main() -> None:
         data = synthetic(samples=a.samples)
     sampler = DistributedSampler(data, seed=0)
     loader = DataLoader(data, batch_size=a.batch, sampler=sampler, drop_last=True, pin_memory=cuda)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)  # ddpjob's defaults
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, fused=True)  # ddpjob's defaults
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=a.schedule_steps or a.steps)
     loss_fn = nn.CrossEntropyLoss()
     warm = int(os.environ.get("BENCH_WARM", "10"))

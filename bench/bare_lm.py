@@ -1,7 +1,7 @@
 """A hand-written DDP loop for the language model, the baseline for bench/lm.py.
 
 What a user writes without ddpjob: examples/lm.py's tiny_lm on its stdlib_text data, dict batches
-passed as keyword arguments, the model's own loss, AdamW with a cosine schedule (ddpjob's defaults:
+passed as keyword arguments, the model's own loss, fused AdamW with a cosine schedule (ddpjob's defaults:
 lr 3e-3, no weight decay, the schedule over all epochs' steps), DistributedSampler, optionally
 torch.compile of the DDP module. Run under torchrun; writes per-step times as bench/steptimes.py does.
     bare_lm.py --batch 16 --block 128 --steps 601 --epochs 1 --times OUT --window 100,600 [--compile]
@@ -39,7 +39,7 @@ def main() -> None:
     data = timed(a.data, a.times, first, last, val=False)
     sampler = DistributedSampler(data, seed=0)
     loader = DataLoader(data, batch_size=a.batch, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, fused=True)  # as ddpjob
     schedule_steps = len(data) // (a.batch * world) * a.epochs
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule_steps)
     done, epoch = 0, 0

@@ -17,7 +17,7 @@ import steptimes
 from common import REPO, ddpjob_train, run, torchrun
 from paired import report, run_pairs
 
-EPOCHS = 1  # the cosine schedule's length on both sides
+EPOCHS = 10  # the cosine schedule runs over them on both sides; the timed steps end within them
 
 
 def specs(a: argparse.Namespace) -> tuple[str, str]:
