@@ -5,7 +5,7 @@ examples/lm.py's tiny_lm (byte vocabulary, dim 128, 4 layers, 4 heads, block 128
 2 processes under torchrun, gloo, CPU; AdamW (lr 3e-3) with the cosine schedule on both sides,
 ddpjob with its default settings and no checkpoints. Per-step times inside rank 0 over a fixed
 window (bench/steptimes.py); ratio and its confidence interval as bench/paired.py says.
-    python bench/lm.py [--pairs 6] [--modes eager compile] [--batch 16] [--window 100,600] [--quick]
+    python bench/lm.py [--pairs 6] [--modes eager compile] [--batch 16] [--window 50,250] [--quick]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=("eager", "compile"), default=["eager", "compile"])
     parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     parser.add_argument("--block", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--window", default="100,600", help="FIRST,LAST: the steps timed")
+    parser.add_argument("--window", default="50,250", help="FIRST,LAST: the steps timed")
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 pair per mode over steps 5..20")
     a = parser.parse_args()
     if a.quick:

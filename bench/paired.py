@@ -90,10 +90,10 @@ def report(title: str, pairs: Sequence[Pair], unit: str = "steps/s", scale: floa
         [
             i + 1,
             "ddpjob" if p.ours_first else "bare",
-            p.bare.steps_per_s * scale,
-            p.ours.steps_per_s * scale,
-            p.bare.median_ms,
-            p.ours.median_ms,
+            f"{p.bare.steps_per_s * scale:.1f}",
+            f"{p.ours.steps_per_s * scale:.1f}",
+            f"{p.bare.median_ms:.1f}",
+            f"{p.ours.median_ms:.1f}",
             f"{p.ratio:.3f}",
         ]
         for i, p in enumerate(pairs)
@@ -106,7 +106,7 @@ def report(title: str, pairs: Sequence[Pair], unit: str = "steps/s", scale: floa
     bare_rate = statistics.median(p.bare.steps_per_s for p in pairs) * scale
     ours_rate = statistics.median(p.ours.steps_per_s for p in pairs) * scale
     print(
-        f"\nmedians: bare {bare_rate:.4g} {unit}, ddpjob {ours_rate:.4g} {unit}\n"
+        f"\nmedians: bare {bare_rate:.1f} {unit}, ddpjob {ours_rate:.1f} {unit}\n"
         f"ratio ddpjob / bare: median {statistics.median(ratios):.3f} of {len(ratios)} pairs, "
         f"{100 * cover:.1f}% CI [{low:.3f}, {high:.3f}] (sign-test order statistics), "
         f"range {min(ratios):.3f}..{max(ratios):.3f} (target >= 0.98)\n"
