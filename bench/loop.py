@@ -7,12 +7,13 @@ schedule on both sides (bench/bare_ddp.py is the bare loop), ddpjob with its def
   heavy:   MLP width 1024, depth 2, batch 256 per rank
 Each run is timed per step inside rank 0's process over a fixed window of steps
 (bench/steptimes.py), in interleaved pairs with the ratio's confidence interval (bench/paired.py).
-    python bench/loop.py [--pairs 10] [--configs default heavy] [--window 100,600] [--quick]
+    python bench/loop.py [--pairs 10] [--configs default heavy] [--window 100,600] [--ddpjob-flags F] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import steptimes
@@ -40,6 +41,7 @@ def ddpjob_times(work: Path, a: argparse.Namespace, width: int, depth: int, batc
         "0",
         "--log-every",
         str(a.log_every),
+        *shlex.split(a.ddpjob_flags),
     )
     return steptimes.read(out)
 
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--window", default="100,600", help="FIRST,LAST: the steps timed")
     parser.add_argument("--samples", type=int, default=16384)
     parser.add_argument("--log-every", type=int, default=10, help="ddpjob's logging interval (its default: 10)")
+    parser.add_argument("--ddpjob-flags", default="", help="more flags for ddpjob train, e.g. '--tracker mlflow'")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 pairs over steps 10..40")
     a = parser.parse_args()
     if a.quick:
