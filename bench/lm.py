@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import steptimes
 from common import REPO, ddpjob_train, run, torchrun
@@ -24,7 +25,7 @@ def specs(a: argparse.Namespace) -> tuple[str, str]:
     return f"examples.lm:tiny_lm(block={a.block})", f"examples.lm:stdlib_text(block={a.block})"
 
 
-def ddpjob_times(work: Path, a: argparse.Namespace, compiled: bool) -> list[float]:
+def ddpjob_times(work: Path, a: argparse.Namespace, compiled: bool) -> dict[str, Any]:
     model, data = specs(a)
     out = work / "times"
     timed = f"bench.steptimes:timed(data={data!r}, out={str(out)!r}, first={a.first}, last={a.last}, val=False)"
@@ -34,7 +35,7 @@ def ddpjob_times(work: Path, a: argparse.Namespace, compiled: bool) -> list[floa
     return steptimes.read(out)
 
 
-def bare_times(work: Path, a: argparse.Namespace, compiled: bool) -> list[float]:
+def bare_times(work: Path, a: argparse.Namespace, compiled: bool) -> dict[str, Any]:
     model, data = specs(a)
     work.mkdir(parents=True)
     out = work / "times"

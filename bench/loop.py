@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from typing import Any
 
 import steptimes
 from common import REPO, ddpjob_train, run, torchrun
@@ -24,7 +25,7 @@ CONFIGS = {"default": (256, 2, 64), "heavy": (1024, 2, 256)}  # width, depth, ba
 EPOCHS = 1000  # ddpjob's cosine runs over all of them: the bare loop is given the same length
 
 
-def ddpjob_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch: int) -> list[float]:
+def ddpjob_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch: int) -> dict[str, Any]:
     out = work / "times"
     data = f"ddpjob.plugins:synthetic(samples={a.samples})"
     ddpjob_train(
@@ -46,7 +47,7 @@ def ddpjob_times(work: Path, a: argparse.Namespace, width: int, depth: int, batc
     return steptimes.read(out)
 
 
-def bare_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch: int) -> list[float]:
+def bare_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch: int) -> dict[str, Any]:
     work.mkdir(parents=True)
     out = work / "times"
     schedule = a.samples // (batch * 2) * EPOCHS

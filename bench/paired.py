@@ -2,7 +2,9 @@
 their throughput ratio reported with a distribution-free confidence interval.
 
 Pair i runs both loops back to back, ddpjob first in even pairs and the bare loop first in odd ones,
-so drift in the machine's load and any first-run/second-run effect fall on both alike. Each run
+so drift in the machine's load and any first-run/second-run effect fall on both alike; a pair whose
+two runs saw different thread counts, world size or torch (bench/steptimes.py's setting) stops
+the benchmark. Each run
 gives its per-step wall times over the same fixed window (bench/steptimes.py); its throughput is
 window steps / window seconds. The pair's ratio is ddpjob's throughput over the bare loop's.
 
@@ -21,10 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
+from typing import Any
 
 from common import table
 
-Timer = Callable[[Path], list[float]]  # runs one loop in a work dir, returns rank 0's step seconds
+Timer = Callable[[Path], dict[str, Any]]  # runs one loop in a work dir, returns rank 0's steptimes record
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,13 @@ def run_pairs(count: int, ours: Timer, bare: Timer, progress: Callable[[Pair], N
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             if ours_first:
-                mine = Run.of(ours(work / "ours"))
-                theirs = Run.of(bare(work / "bare"))
+                mine, theirs = ours(work / "ours"), bare(work / "bare")
             else:
-                theirs = Run.of(bare(work / "bare"))
-                mine = Run.of(ours(work / "ours"))
-        pairs.append(Pair(ours_first, mine, theirs))
+                theirs = bare(work / "bare")
+                mine = ours(work / "ours")
+        if mine["setting"] != theirs["setting"]:
+            raise SystemExit(f"unfair pair: ddpjob ran with {mine['setting']}, the bare loop with {theirs['setting']}")
+        pairs.append(Pair(ours_first, Run.of(mine["seconds"]), Run.of(theirs["seconds"])))
         progress(pairs[-1])
     return pairs
 

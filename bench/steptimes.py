@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from ddpjob.plugins import build_data
@@ -52,7 +53,13 @@ class TimedSet(Dataset[Any]):
 
     def write(self) -> None:
         seconds = [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
-        record = {"rank": int(os.environ.get("RANK", 0)), "first": self.first, "last": self.last, "seconds": seconds}
+        record = {
+            "rank": int(os.environ.get("RANK", 0)),
+            "first": self.first,
+            "last": self.last,
+            "seconds": seconds,
+            "setting": setting(),
+        }
         Path(f"{self.out}.{record['rank']}.json").write_text(json.dumps(record))
 
 
@@ -64,6 +71,17 @@ def timed(data: str, out: str, first: int = 100, last: int = 600, val: bool = Tr
     return (timed_train, val_set) if val and val_set is not None else timed_train
 
 
-def read(out: str | Path, rank: int = 0) -> list[float]:
-    """The step durations (seconds) that rank ``rank`` wrote to OUT.RANK.json."""
-    return list(json.loads(Path(f"{out}.{rank}.json").read_text())["seconds"])
+def setting() -> dict[str, Any]:
+    """What must be the same on both sides for a fair comparison: threads, world size, seeds' source."""
+    return {
+        "intra_op_threads": torch.get_num_threads(),
+        "inter_op_threads": torch.get_num_interop_threads(),
+        "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__,
+    }
+
+
+def read(out: str | Path, rank: int = 0) -> dict[str, Any]:
+    """What rank ``rank`` wrote to OUT.RANK.json: ``seconds`` (the step durations) and ``setting``."""
+    return dict(json.loads(Path(f"{out}.{rank}.json").read_text()))
