@@ -46,8 +46,8 @@ e2e: setup
 
 # Benchmarks: each prints a table of medians; figures and how they were taken: bench/README.md.
 bench: setup
-	cd bench && ../$(BIN)/python loop.py && ../$(BIN)/python startup.py && ../$(BIN)/python save.py \
-		&& ../$(BIN)/python load.py && ../$(BIN)/python scale.py
+	cd bench && ../$(BIN)/python loop.py && ../$(BIN)/python lm.py && ../$(BIN)/python startup.py \
+		&& ../$(BIN)/python save.py && ../$(BIN)/python load.py && ../$(BIN)/python scale.py
 
 e2e-down:
 	bash tests/e2e/teardown.sh

@@ -1,82 +1,90 @@
-"""Loop overhead: steps/s of `ddpjob train` vs a minimal hand-written DDP loop doing the same work.
+"""Loop overhead: `ddpjob train` vs a minimal hand-written DDP loop doing the same work, in pairs.
 
-2 processes under torchrun, gloo, CPU; same synthetic model, data, batch size and optimizer.
-Both are timed over the same steps (after a warm-up), median of --repeats runs each.
-    python bench/loop.py [--repeats 3] [--steps 600] [--width 256] [--depth 2] [--batch 64]
+2 processes under torchrun, gloo, CPU; the same synthetic MLP, data, batch size, AdamW and cosine
+schedule on both sides (bench/bare_ddp.py is the bare loop), ddpjob with its default settings
+(--log-every 10, straggler sharing, stop checks) and no checkpoints. Two configurations:
+  default: MLP width 256, depth 2, batch 64 per rank
+  heavy:   MLP width 1024, depth 2, batch 256 per rank
+Each run is timed per step inside rank 0's process over a fixed window of steps
+(bench/steptimes.py), in interleaved pairs with the ratio's confidence interval (bench/paired.py).
+    python bench/loop.py [--pairs 10] [--configs default heavy] [--window 100,600] [--ddpjob-flags F] [--quick]
 """
 
+from __future__ import annotations
+
 import argparse
-import json
-import re
-import tempfile
+import shlex
 from pathlib import Path
+from typing import Any
 
-from common import REPO, ddpjob_train, median, run, table, torchrun
+import steptimes
+from common import REPO, ddpjob_train, run, torchrun
+from paired import report, run_pairs
 
-WARM = 50
+CONFIGS = {"default": (256, 2, 64), "heavy": (1024, 2, 256)}  # width, depth, batch per rank
+EPOCHS = 1000  # ddpjob's cosine runs over all of them: the bare loop is given the same length
 
 
-def ddpjob_steps_per_s(work: Path, a: argparse.Namespace) -> float:
-    model = f"ddpjob.plugins:synthetic_mlp(width={a.width}, depth={a.depth})"
+def ddpjob_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch: int) -> dict[str, Any]:
+    out = work / "times"
     data = f"ddpjob.plugins:synthetic(samples={a.samples})"
     ddpjob_train(
         work,
-        model,
-        data,
+        f"ddpjob.plugins:synthetic_mlp(width={width}, depth={depth})",
+        f"bench.steptimes:timed(data={data!r}, out={str(out)!r}, first={a.first}, last={a.last})",
         "--batch-size",
-        str(a.batch),
+        str(batch),
         "--epochs",
-        "1000",
+        str(EPOCHS),
         "--max-steps",
-        str(a.steps),
+        str(a.last + 1),
         "--save-every",
         "0",
         "--log-every",
-        str(WARM),
+        str(a.log_every),
+        *shlex.split(a.ddpjob_flags),
     )
-    rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["event"] == "train"]
-    first, last = train[0], train[-1]  # steps WARM and a.steps
-    return (last["step"] - first["step"]) / (last["time"] - first["time"])
+    return steptimes.read(out)
 
 
-def bare_steps_per_s(work: Path, a: argparse.Namespace) -> float:
-    out = run(
-        torchrun(
-            2, str(REPO / "bench/bare_ddp.py"), str(a.width), str(a.depth), str(a.samples), str(a.batch), str(a.steps)
-        ),
-        cwd=work,
-        BENCH_T0="0",
-        BENCH_WARM=str(WARM),
-    )
-    return float(re.search(r"steps_per_s (\S+)", out).group(1))
+def bare_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch: int) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    out = work / "times"
+    schedule = a.samples // (batch * 2) * EPOCHS
+    args = [str(v) for v in (width, depth, a.samples, batch, a.last + 1)]
+    options = ["--times", str(out), "--window", f"{a.first},{a.last}", "--schedule-steps", str(schedule)]
+    run(torchrun(2, str(REPO / "bench/bare_ddp.py"), *args, *options), cwd=work, BENCH_T0="0")
+    return steptimes.read(out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=10, help="interleaved pairs per configuration")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["default", "heavy"])
+    parser.add_argument("--window", default="100,600", help="FIRST,LAST: the steps timed")
     parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--log-every", type=int, default=10, help="ddpjob's logging interval (its default: 10)")
+    parser.add_argument("--ddpjob-flags", default="", help="more flags for ddpjob train, e.g. '--tracker mlflow'")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2 pairs over steps 10..40")
     a = parser.parse_args()
-    bare, ours = [], []
-    for i in range(a.repeats):  # interleaved, so drift in machine load hits both
-        with tempfile.TemporaryDirectory() as tmp:
-            bare.append(bare_steps_per_s(Path(tmp), a))
-            ours.append(ddpjob_steps_per_s(Path(tmp) / f"run{i}", a))
-    rows = [
-        ["bare DDP loop", median(bare), ", ".join(f"{v:.1f}" for v in bare)],
-        ["ddpjob train", median(ours), ", ".join(f"{v:.1f}" for v in ours)],
-    ]
-    table(
-        f"loop: steps/s, 2 procs gloo CPU, MLP width {a.width} depth {a.depth}, batch {a.batch}, "
-        f"steps {WARM}..{a.steps}",
-        ["loop", "median steps/s", "runs"],
-        rows,
-    )
-    print(f"\nratio ddpjob / bare = {median(ours) / median(bare):.3f} (target >= 0.98)")
+    if a.quick:
+        a.pairs, a.window = 2, "10,40"
+    a.first, a.last = map(int, a.window.split(","))
+    for name in a.configs:
+        width, depth, batch = CONFIGS[name]
+        shape = (width, depth, batch)
+        print(f"\n{name}: pairs of runs, {a.last + 1} steps each ...", flush=True)
+        pairs = run_pairs(
+            a.pairs,
+            lambda work: ddpjob_times(work, a, *shape),  # noqa: B023 - used within the iteration
+            lambda work: bare_times(work, a, *shape),  # noqa: B023
+            lambda p: print(f"  ratio {p.ratio:.3f} (ddpjob {'first' if p.ours_first else 'second'})", flush=True),
+        )
+        report(
+            f"loop ({name}): steps/s over steps {a.first}..{a.last}, 2 procs gloo CPU, "
+            f"MLP width {width} depth {depth}, batch {batch} per rank",
+            pairs,
+        )
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Which rank is slow: each rank's own time per step, shared at logging intervals.
 
 Each rank times the work it does without waiting for the others: from the start of a step (the
-first batch fetched) to the moment its backward has produced its last gradient bucket, which DDP
-hands to a communication hook before any wait for the other ranks (the hook then averages the
-gradients exactly as DDP's built-in reduction does). On CUDA both ends are events on the stream, read back only at the interval. At each
-logging interval the ranks all-gather their mean
-(one small collective per interval, never per step); rank 0 records the slowest and the fastest
-rank with their hosts and the spread, and when one rank has been slower than the median of
-the others by --straggler-factor for --straggler-intervals intervals in a row, it warns once, naming it.
+first batch fetched) to the moment its backward has accumulated the last of its parameters'
+gradients, before DDP waits for the other ranks' all-reduce. A hook on each parameter counts the
+gradients as they land and notes the time at the last one; the gradients and DDP's own fused
+reduction are left alone (a DDP communication hook, used before, replaced that reduction with a
+Python one and cost 3-5% of a step in bench/loop.py's heavy configuration). A step in which some
+parameter gets no gradient is not timed. On CUDA both ends are events on the stream, read back
+only at the interval. At each logging interval the ranks all-gather their mean (one small
+collective per interval, never per step); rank 0 records the slowest and the fastest rank with
+their hosts and the spread, and when one rank has been slower than the median of the others by
+--straggler-factor for --straggler-intervals intervals in a row, it warns once, naming it.
 
     own = Stragglers(env, device, factor, intervals); own.attach(ddp_model)
     own.start()              # a step begins (before its first batch is fetched)
@@ -25,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpjob.distenv import DistEnv
 
@@ -39,13 +41,22 @@ class Stragglers:
         self.events: list[tuple[Any, Any]] = []
         self.started: Any = None
         self.last_ready: Any = None
+        self.expected = self.accumulated = 0  # gradients per backward; landed so far
         self.slow_for: dict[int, int] = {}  # rank -> consecutive slow intervals (rank 0)
         self.warned: set[int] = set()
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Time DDP's gradient buckets (other wrappers, or none: nothing is timed)."""
-        if isinstance(model, DDP):
-            model.register_comm_hook(self, _ready_then_allreduce)
+        """Count the gradients of ``model``'s trainable parameters as backward accumulates them."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.expected = len(params)
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self.accumulated += 1
+        if self.accumulated == self.expected:  # this backward's last gradient (each micro-batch's)
+            self.accumulated = 0
+            self.ready()
 
     def _now(self) -> Any:
         if self.cuda:
@@ -55,7 +66,7 @@ class Stragglers:
         return time.perf_counter()
 
     def start(self) -> None:
-        self.started = self._now()
+        self.started, self.accumulated = self._now(), 0
 
     def ready(self) -> None:
         self.last_ready = self._now()
@@ -115,14 +126,3 @@ class Stragglers:
                     file=sys.stderr,
                     flush=True,
                 )
-
-
-def _ready_then_allreduce(own, bucket):  # type: ignore[no-untyped-def]
-    """DDP communication hook: note when this rank's last bucket is ready, then average the bucket
-    as DDP's built-in reduction does: scaled by 1 / world size before the sum (DDP multiplies as it
-    fills the bucket; torch's own allreduce_hook divides, which differs in the last bit at world
-    sizes that are not powers of 2). (No annotations: DDP checks them against the classes.)"""
-    if bucket.is_last():
-        own.ready()
-    tensor = bucket.buffer().mul_(1.0 / dist.get_world_size())
-    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])

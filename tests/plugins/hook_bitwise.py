@@ -1,5 +1,6 @@
 """Run under torchrun: train the same model a few steps with plain DDP and with ddpjob's timing
-hook, and print whether the parameters are bitwise equal (at world size 3, 1/3 is inexact)."""
+hooks, and print whether the parameters are bitwise equal (at world size 3, where DDP's 1/3
+scaling is inexact, so any change to how gradients are reduced shows)."""
 
 import gc
 import os
