@@ -36,6 +36,7 @@ from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
 from ddpjob.schedule import Schedule
 from ddpjob.stragglers import Stragglers
+from ddpjob.trackers import Tracker
 from ddpjob.traces import Tracer, enable_nccl_dumps, start_watchdog
 from ddpjob.weights import load_weights, model_state, unwrap
 
@@ -300,7 +301,8 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = Schedule(optimizer, schedule_steps)
     progress = Progress(samples=samples)
-    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress)
+    tracker = Tracker.of(cfg, env.is_main)  # its run id is checkpointed: a restart continues the run
+    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress, tracker=tracker)
     resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
         checkpointer.last_saved = progress.step
@@ -309,7 +311,9 @@ def train(
             progress.sample = legacy
     schedule.set(progress.step)  # the LR of this run's schedule at this step, whatever the checkpoint held
 
-    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, batching.global_batch, cfg.log_every, cfg.tensorboard)
+    metrics = Metrics(
+        cfg.metrics_path, env.is_main, total_steps, batching.global_batch, cfg.log_every, cfg.tensorboard, tracker
+    )
     metrics.start(
         progress.step,
         resumed_from=str(loaded.path) if resumed and loaded else None,
