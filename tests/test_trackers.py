@@ -170,12 +170,8 @@ def test_default_mlflow_store_is_sqlite_in_the_run_dir(work):
 def test_unreachable_tracker_server_warns_and_training_finishes(work):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
-    proc = ddpjob(
-        ["train", "--device", "cpu", "--max-steps", "12", "--tracker", "mlflow", "--tracker-uri", dead]
-        + ["--tracker-timeout", "2"],
-        work,
-        timeout=240,
-    )
+    args = ["--max-steps", "12", "--tracker", "mlflow", "--tracker-uri", dead, "--tracker-timeout", "2"]
+    proc = ddpjob(["train", "--device", "cpu", *args], work, timeout=240)
     out = ok(proc)
     assert "[ddpjob] done: step 12" in out
     assert "warning: tracker:" in proc.stderr and "--tracker-timeout 2 s" in proc.stderr, proc.stderr[-3000:]

@@ -13,7 +13,13 @@ from types import ModuleType
 
 from ddpjob.errors import UsageError, first_line
 
-EXTRAS = {"matplotlib": "tools", "safetensors": "tools", "tensorboard": "tools", "mlflow": "trackers", "wandb": "trackers"}  # package -> extra
+EXTRAS = {
+    "matplotlib": "tools",
+    "safetensors": "tools",
+    "tensorboard": "tools",
+    "mlflow": "trackers",
+    "wandb": "trackers",
+}  # package -> extra
 
 
 def require(module: str, purpose: str, package: str = "") -> ModuleType:

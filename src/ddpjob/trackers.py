@@ -201,7 +201,12 @@ class Tracker:
         self.closing.set()
         self.thread.join(self.timeout)
         if self.thread.is_alive():
-            warn(f"{self.queue.qsize()} record(s) not sent within --tracker-timeout {self.timeout:g} s; exiting")
+            stuck = (
+                f"run {self.run_id}" if self.run_id else f"{self.kind} at {self.uri or 'its default'} never answered:"
+            )
+            warn(
+                f"{stuck} {self.queue.qsize()} record(s) not sent within --tracker-timeout {self.timeout:g} s; exiting"
+            )
         if self.dropped:
             warn(f"{self.dropped} record(s) dropped while the tracker was behind (queue of {QUEUE_SIZE} full)")
         self.thread = None

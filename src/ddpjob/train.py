@@ -36,8 +36,8 @@ from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
 from ddpjob.schedule import Schedule
 from ddpjob.stragglers import Stragglers
-from ddpjob.trackers import Tracker
 from ddpjob.traces import Tracer, enable_nccl_dumps, start_watchdog
+from ddpjob.trackers import Tracker
 from ddpjob.weights import load_weights, model_state, unwrap
 
 
