@@ -17,22 +17,9 @@ from ddpjob.trackers import QUEUE_SIZE, Tracker
 from helpers import PY, REPO, clean_env, ddpjob, free_port, ok, records, spawn, trained_steps, wait_until
 
 pytestmark = pytest.mark.slow
-# 64 steps per epoch: slow enough that a signal lands mid-run, after the tracker has started.
-JOB = [
-    "--model",
-    "ddpjob.plugins:synthetic_mlp(width=512)",
-    "--data",
-    "ddpjob.plugins:synthetic(samples=4096)",
-    "--epochs",
-    "4",
-    "--log-every",
-    "4",
-    "--save-every",
-    "0",
-    "--stop-check-every",
-    "1",
-]
-TOTAL = 4 * 4096 // (32 * 2)
+# ~0.13 s per step (a sleep per sample fetched): the tracker starts, and a signal lands, mid-run.
+JOB = ["--data", "tests.plugins.recording:digits(delay=0.004)", "--epochs", "10", "--log-every", "4"]
+JOB += ["--save-every", "0", "--stop-check-every", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -73,36 +60,42 @@ def mlflow_server(tmp_path_factory) -> Iterator[str]:
         wait_until(answers, 240, "mlflow server")
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        os.killpg(server.pid, signal.SIGKILL)  # the server and its workers
         server.wait(timeout=30)
 
 
-def preempt_and_resume(work: Path, args: list[str], **env: str) -> int:
+def preempt_and_resume(work: Path, args: list[str], **env: str) -> tuple[int, int]:
     """Launch 2 processes, SIGTERM once the tracker runs and training is under way (exit 75, a
-    checkpoint), launch again to the end. Returns the step the first attempt stopped at."""
+    checkpoint), launch again to the end. Returns the step the first attempt stopped at and the last."""
     run_dir = work / "runs/ddpjob"
+    (work / "samples").mkdir()
+    env["TEST_SAMPLES_DIR"] = str(work / "samples")
     agent = spawn(["launch", "--nproc-per-node", "2", *JOB, *args], work, **env)
     wait_until(lambda: (run_dir / "tracker.json").exists() and trained_steps(run_dir) >= 8, 240, "tracker run")
     agent.send_signal(signal.SIGTERM)
     out = agent.communicate(timeout=240)[0]
     assert agent.returncode == 75, out[-3000:]
     (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
-    assert 0 < stop["step"] < TOTAL
+    assert stop["step"] > 0
     ok(ddpjob(["launch", "--nproc-per-node", "2", *JOB, *args], work, timeout=400, **env))
     assert [r["step"] for r in records(run_dir) if r["event"] == "start"] == [0, stop["step"]]
-    return int(stop["step"])
+    (final,) = [r for r in records(run_dir) if r["event"] == "final"]
+    assert stop["step"] < final["step"]
+    return int(stop["step"]), int(final["step"])
 
 
-def assert_one_run_of_monotonic_steps(steps: list[int], stop: int) -> None:
+def assert_one_run_of_monotonic_steps(steps: list[int], stop: int, total: int) -> None:
     assert steps == sorted(set(steps)), steps  # strictly increasing: none repeated, none backwards
-    assert steps[-1] == TOTAL
+    assert steps[-1] == total
     assert any(s <= stop for s in steps) and any(s > stop for s in steps)  # both attempts in it
 
 
 def test_mlflow_server_holds_one_run_with_monotonic_steps_across_sigterm_and_resume(work, mlflow_server):
     import mlflow
 
-    stop = preempt_and_resume(work, ["--tracker", "mlflow", "--tracker-uri", mlflow_server, "--tracker-project", "t1"])
+    stop, total = preempt_and_resume(
+        work, ["--tracker", "mlflow", "--tracker-uri", mlflow_server, "--tracker-project", "t1"]
+    )
     client = mlflow.MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("t1")
     (run,) = client.search_runs([experiment.experiment_id])
@@ -110,7 +103,7 @@ def test_mlflow_server_holds_one_run_with_monotonic_steps_across_sigterm_and_res
     assert run.info.status == "FINISHED"
     assert run.data.params["lr"] == "0.003" and run.data.params["tracker"] == "mlflow"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert_one_run_of_monotonic_steps(steps, stop)
+    assert_one_run_of_monotonic_steps(steps, stop, total)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "start/world_size")] == [0, stop]
 
 
@@ -139,7 +132,7 @@ def wandb_records(path: Path) -> Iterator[object]:
 def test_wandb_offline_keeps_one_run_id_with_monotonic_steps_across_sigterm_and_resume(work):
     wandb_dir = work / "wandb-home"
     wandb_dir.mkdir()
-    stop = preempt_and_resume(work, ["--tracker", "wandb"], WANDB_MODE="offline", WANDB_DIR=str(wandb_dir))
+    stop, total = preempt_and_resume(work, ["--tracker", "wandb"], WANDB_MODE="offline", WANDB_DIR=str(wandb_dir))
     attempts = sorted((wandb_dir / "wandb").glob("offline-run-*"))
     run_id = json.loads((work / "runs/ddpjob/tracker.json").read_text())["run_id"]
     assert len(attempts) == 2 and all(a.name.endswith(f"-{run_id}") for a in attempts)
@@ -151,7 +144,7 @@ def test_wandb_offline_keeps_one_run_id_with_monotonic_steps_across_sigterm_and_
                 steps.append(record.history.step.num)  # type: ignore[attr-defined]
             elif kind == "run":
                 configs.append(len(record.run.config.update))  # type: ignore[attr-defined]
-    assert_one_run_of_monotonic_steps(steps, stop)
+    assert_one_run_of_monotonic_steps(steps, stop, total)
     assert configs[0] > 10 and configs[1:] == [0] * (len(configs) - 1)  # the config once, with the new run
 
 
