@@ -15,7 +15,7 @@ from typing import Any
 
 from dotenv import dotenv_values
 
-from ddpjob import optional, trackers
+from ddpjob import optional
 from ddpjob.errors import UsageError
 
 ENV_PREFIX = "DDPJOB_"
@@ -281,7 +281,8 @@ def validate(cfg: Config) -> None:
         raise UsageError("--checkpoint-format dcp is read by every rank; use --load-mode mmap")
     if cfg.tensorboard:
         optional.require("tensorboard", f"--tensorboard {cfg.tensorboard}")
-    trackers.check_installed(cfg.tracker)
+    if cfg.tracker != "none":  # its package, named as the tracker; imported only by rank 0's tracker thread
+        optional.check(cfg.tracker, f"--tracker {cfg.tracker}")
     if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):
         raise UsageError(f"--init-method {cfg.init_method!r} must be env:// or tcp://HOST:PORT")
     for name in ("resume", "init_from"):

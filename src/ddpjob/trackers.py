@@ -31,15 +31,7 @@ from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, first_line
 if TYPE_CHECKING:
     from ddpjob.config import Config
 
-PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}  # --tracker -> the package it needs
 QUEUE_SIZE = 1000  # records waiting for the thread; more are dropped, never waited for
-
-
-def check_installed(kind: str) -> None:
-    """Before any work, on every process: the tracker's package is installed (else one line naming
-    the extra, exit 2). Only rank 0's thread imports it (mlflow takes seconds)."""
-    if kind in PACKAGES:
-        optional.check(PACKAGES[kind], f"--tracker {kind}")
 
 
 def warn(message: str) -> None:
