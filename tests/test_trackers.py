@@ -225,3 +225,20 @@ def test_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, command)
     assert "--tracker wandb needs the optional package wandb" in lines[0]
     assert "pip install 'ddpjob[trackers]'" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work):
+    """As after a hard kill: the run holds steps up to 24, the newest checkpoint left is step 12."""
+    import mlflow
+
+    args = ["train", "--device", "cpu", "--log-every", "4", "--save-every", "12", "--tracker", "mlflow"]
+    ok(ddpjob([*args, "--max-steps", "24"], work))
+    for path in (work / "runs/ddpjob/checkpoints").glob("step-24*"):
+        path.unlink()
+    ok(ddpjob([*args, "--max-steps", "32"], work))
+    starts = [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "start"]
+    assert starts == [0, 12]  # resumed at 12: steps 13-24 trained again
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [4, 8, 12, 16, 20, 24, 28, 32]
