@@ -60,9 +60,10 @@ def mlflow_server(tmp_path_factory) -> Iterator[str]:
         yield url
 
 
-def preempt_and_resume(work: Path, args: list[str], **env: str) -> tuple[int, int]:
+def preempt_and_resume(work: Path, args: list[str], keep_state: bool = True, **env: str) -> tuple[int, int]:
     """Launch 2 processes, SIGTERM once the tracker runs and training is under way (exit 75, a
-    checkpoint), launch again to the end. Returns the step the first attempt stopped at and the last."""
+    checkpoint), launch again to the end; keep_state=False removes RUN_DIR/tracker.json in between, so
+    that only the checkpoint names the run. Returns the step the first attempt stopped at and the last."""
     run_dir = work / "runs/ddpjob"
     (work / "samples").mkdir()
     env["TEST_SAMPLES_DIR"] = str(work / "samples")
@@ -73,6 +74,8 @@ def preempt_and_resume(work: Path, args: list[str], **env: str) -> tuple[int, in
     assert agent.returncode == 75, out[-3000:]
     (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
     assert stop["step"] > 0
+    if not keep_state:
+        (run_dir / "tracker.json").unlink()
     ok(ddpjob(["launch", "--nproc-per-node", "2", *JOB, *args], work, timeout=400, **env))
     assert [r["step"] for r in records(run_dir) if r["event"] == "start"] == [0, stop["step"]]
     (final,) = [r for r in records(run_dir) if r["event"] == "final"]
@@ -90,7 +93,7 @@ def test_mlflow_server_holds_one_run_with_monotonic_steps_across_sigterm_and_res
     import mlflow
 
     stop, total = preempt_and_resume(
-        work, ["--tracker", "mlflow", "--tracker-uri", mlflow_server, "--tracker-project", "t1"]
+        work, ["--tracker", "mlflow", "--tracker-uri", mlflow_server, "--tracker-project", "t1"], keep_state=False
     )
     client = mlflow.MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("t1")
