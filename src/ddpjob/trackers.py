@@ -92,7 +92,8 @@ class WandB:
     def __init__(self, url: str, project: str, name: str, run_dir: str) -> None:
         self.wandb = optional.require("wandb", "--tracker wandb")
         self.url, self.project, self.name, self.run_dir = url, project, name, run_dir
-        self.where = url or os.environ.get("WANDB_BASE_URL", "") or os.environ.get("WANDB_MODE", "") or "wandb"
+        mode = os.environ.get("WANDB_MODE", "")
+        self.where = url or os.environ.get("WANDB_BASE_URL", "") or (f"WANDB_MODE={mode}" if mode else "W&B's server")
         self.run: Any = None
 
     def start(self, run_id: str, params: dict[str, Any]) -> tuple[str, bool]:
