@@ -2,6 +2,7 @@
 
 Each case runs the real CLI entry point (`ddpjob.cli.main`) in-process with its env and files."""
 
+import json
 import os
 import pickle
 import re
@@ -9,10 +10,11 @@ import re
 import pytest
 import torch
 
-from ddpjob import checkpoint, cli
+from ddpjob import checkpoint, cli, hfweights
 from ddpjob.plugins import digits_mlp
 
 DIST = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+ANYJOB = "plugins.anyjob"  # tests/ is on sys.path (conftest.py)
 ELASTIC = ["launch", "--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:29999", "--nproc-per-node", "1"]
 
 
@@ -26,9 +28,29 @@ def make_files(d):
     (d / "evil.pt").write_bytes(pickle.dumps({"model": Evil()}, protocol=2))
     torch.save({"0.weight": torch.zeros(10, 10), "0.bias": torch.zeros(10)}, d / "other_model.pt")
     torch.save({"step": 3}, d / "no_weights.pt")
+    make_sharded_sets(d)
     checkpoint.save({"model": digits_mlp().state_dict()}, d / "cut.pt")
     (d / "cut.pt").write_bytes((d / "cut.pt").read_bytes()[:-50])
     (d / "a_file").write_text("x")
+
+
+def make_sharded_sets(d):
+    """Hugging Face sharded sets of the default model (3 shards), each broken in one way."""
+    weights = digits_mlp().state_dict()
+    for name in ("hf", "no_shard", "key_in_no_shard", "mixed_shards"):
+        hfweights.write(weights, d / name, "40KB")
+    (d / "no_shard/model-00002-of-00003.safetensors").unlink()
+    for name, edit in (("key_in_no_shard", {"0.bias": None}), ("mixed_shards", {"0.bias": "model-00002-of-00003"})):
+        index = d / name / hfweights.INDEX
+        found = json.loads(index.read_text())
+        for key, shard in edit.items():
+            found["weight_map"].pop(key)
+            if shard:
+                found["weight_map"][key] = f"{shard}.safetensors"
+        index.write_text(json.dumps(found))
+    hfweights.write(digits_mlp(hidden=64).state_dict(), d / "other_shapes", "40KB")
+    hfweights.write(weights, d / "cut.safetensors")
+    (d / "cut.safetensors").write_bytes((d / "cut.safetensors").read_bytes()[:-50])
 
 
 CASES = [
@@ -87,6 +109,55 @@ CASES = [
         ["does not fit the model", "missing key"],
     ),
     ("init from a file without weights", ["train", "--init-from", "no_weights.pt"], {}, ["no model state dict"]),
+    (
+        "init from a sharded set missing a shard",
+        ["train", "--init-from", "no_shard"],
+        {},
+        ["shard model-00002-of-00003.safetensors", "does not exist", "copy the complete set (3 shard files)"],
+    ),
+    (
+        "init from a sharded set with a key in no shard",
+        ["train", "--init-from", "key_in_no_shard"],
+        {},
+        ["key_in_no_shard does not fit the model", "missing key 0.bias"],
+    ),
+    (
+        "init from a sharded set whose index names the wrong shard",
+        ["train", "--init-from", "mixed_shards/model.safetensors.index.json"],
+        {},
+        ["maps 0.bias", "to model-00002-of-00003.safetensors, which does not hold it", "re-convert"],
+    ),
+    (
+        "init from a sharded set of another shape",
+        ["train", "--init-from", "other_shapes"],
+        {},
+        ["other_shapes does not fit the model", "shape mismatch for 0.weight: checkpoint (64, 64) vs model (128, 64)"],
+    ),
+    (
+        "init from a truncated safetensors file",
+        ["train", "--init-from", "cut.safetensors"],
+        {},
+        ["cut.safetensors is not a readable safetensors file"],
+    ),
+    ("resume from safetensors weights", ["train", "--resume", "hf"], {}, ["--resume hf", "with --init-from"]),
+    (
+        "shard size that is no size",
+        ["ckpt", "convert", "other_model.pt", "out", "--to", "safetensors", "--max-shard-size", "2XB"],
+        {},
+        ["--max-shard-size '2XB'", "such as 2GB"],
+    ),
+    (
+        "sharded set converted into its own folder",
+        ["ckpt", "convert", "hf/model.safetensors.index.json", "hf", "--to", "safetensors", "--max-shard-size", "1GB"],
+        {},
+        ["hf is (or holds) the input", "elsewhere"],
+    ),
+    (
+        "shard size for a torch file",
+        ["ckpt", "convert", "other_model.pt", "out.pt", "--max-shard-size", "2GB"],
+        {},
+        ["--max-shard-size shards safetensors only", "--to safetensors"],
+    ),
     ("resume from a truncated checkpoint", ["train", "--resume", "cut.pt"], {}, ["integrity check", "truncated"]),
     (
         "checkpoint dir is a file",
@@ -116,6 +187,33 @@ CASES = [
         ["--global-batch-size 64", "on 3 processes", "multiple of 48"],
     ),
     ("elastic job that a lost node would end", ELASTIC, {}, ["--nnodes 1:3 with --max-restarts 0", "--max-restarts N"]),
+    (
+        "loss that is not a scalar",
+        ["train", "--model", f"{ANYJOB}:regressor", "--data", f"{ANYJOB}:nested", "--loss", f"{ANYJOB}:per_sample"],
+        {},
+        ["the loss from --loss", "not a scalar", ".mean()"],
+    ),
+    (
+        "model that returns no loss on a batch without labels",
+        ["train", "--model", f"{ANYJOB}:tiny_lm", "--data", f"{ANYJOB}:tokens(key='targets')"],
+        {},
+        ["model returned no loss and the batch has no labels", "--loss MODULE:CALLABLE"],
+    ),
+    (
+        "optimizer factory that returns no optimizer",
+        ["train", "--optimizer", f"{ANYJOB}:not_an_optimizer"],
+        {},
+        ["returned a list, not a torch.optim.Optimizer"],
+    ),
+    ("unknown optimizer", ["train", "--optimizer", "lamb"], {}, ["--optimizer 'lamb'", "adamw, adam, sgd"]),
+    ("betas not two numbers", ["train", "--betas", "0.9"], {}, ["--betas '0.9'", "B1,B2"]),
+    (
+        "nesterov without momentum",
+        ["train", "--optimizer", "sgd", "--nesterov"],
+        {},
+        ["--nesterov needs", "--momentum"],
+    ),
+    ("compile neither on nor off", ["train", "--compile", "maybe"], {}, ["--compile='maybe'", "true or false"]),
 ]
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpjob import checkpoint, dirlock, fsutil, rng, sharded, weights
+from ddpjob import checkpoint, dirlock, fsutil, hfweights, rng, sharded, weights
 from ddpjob.config import Config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import Retriable, StorageError, UsageError, first_line
@@ -46,7 +46,10 @@ _STEP = re.compile(r"^step-(\d+)(\.pt)?$")  # a file (ddpjob.checkpoint), or a D
 
 
 def format_of(path: Path) -> ModuleType:
-    """The format module that reads and checks path: a folder is DCP, a file the single-file format."""
+    """The format module that reads and checks path: safetensors weights (a file, or a Hugging Face
+    folder or index), else a folder is DCP and a file the single-file format."""
+    if hfweights.is_weights(path):
+        return hfweights
     return sharded if path.is_dir() else checkpoint
 
 
@@ -89,8 +92,8 @@ def has_manifest(path: Path) -> bool:
 
 def checkable(path: Path) -> bool:
     """Whether path is held to an integrity record: a DCP folder always (ddpjob's marker), a file
-    when it has a manifest (a plain state dict from elsewhere has none)."""
-    return path.is_dir() or has_manifest(path)
+    when it has a manifest (a plain state dict or safetensors weights from elsewhere have none)."""
+    return format_of(path) is sharded or has_manifest(path)
 
 
 def complete(directory: Path) -> list[tuple[int, Path]]:
@@ -206,6 +209,8 @@ def given(name: str, flag: str, share: tuple[int, int] | None = FULL) -> Path:
     path = Path(name)
     if not path.exists():
         raise UsageError(f"{flag} {path} does not exist; check the path")
+    if flag == "--resume" and format_of(path) is hfweights:
+        raise UsageError(f"--resume {path}: safetensors hold model weights only; start from them with --init-from")
     if checkable(path) and (reason := verify(path, share)):
         raise UsageError(f"checkpoint {path} failed its integrity check: {reason}; use an earlier one")
     return path
@@ -219,7 +224,10 @@ def wait_visible(path: Path, identity: str, sealed: bool, timeout: float, rank: 
         mine, reason = "", "not visible"
         if path.exists():  # sealed: rank 0 saw its manifest, so this rank waits for it too (NFS lag)
             reason = (verify(path, None) or "") if sealed else ""
-            mine = "" if reason else format_of(path).identity(path)
+            try:
+                mine = "" if reason else format_of(path).identity(path)
+            except UsageError:  # a sharded set whose shards are not all here yet
+                reason = "incomplete (a shard is missing)"
         if mine == identity:
             return
         if mine:
@@ -287,7 +295,12 @@ class Checkpointer:
                 if self.lock_fd is None:
                     self._prepare_dir()
                 choice = choose(self.cfg, None if together else FULL, skip)
-                if choice.path and choice.path.is_dir() and self.cfg.load_mode == "rank0" and self.distributed:
+                if (
+                    choice.path
+                    and format_of(choice.path) is sharded
+                    and self.cfg.load_mode == "rank0"
+                    and self.distributed
+                ):
                     raise UsageError(f"{choice.path} is a DCP folder, which every rank reads; use --load-mode mmap")
             except Exception as exc:  # never leave the other ranks waiting for a choice
                 choice.error, choice.retriable = _classify(exc)
@@ -376,6 +389,8 @@ class Checkpointer:
 
     @staticmethod
     def _read(path: Path) -> Any:
+        if format_of(path) is hfweights:  # a .safetensors file or a sharded set: memory-mapped, shard by shard
+            return {"model": hfweights.read(path)}
         if path.is_dir():  # --init-from a DCP folder: its model weights, like any state dict
             return {"model": sharded.read_model(path, verified=True)}
         return checkpoint.read(path, verified=True)

@@ -3,7 +3,7 @@
 - inspect: format, step, epoch, keys with shapes and dtypes, size, integrity, torch version,
   whether keys carry a wrapper prefix.
 - convert: strip or add the ``module.`` prefix; between a plain state dict, a ddpjob checkpoint,
-  a DCP folder and safetensors (model weights).
+  a DCP folder and safetensors (model weights: one file, or a Hugging Face sharded set).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddpjob import checkpoint, checkpointer, optional, sharded
+from ddpjob import checkpoint, checkpointer, hfweights, sharded
 from ddpjob.errors import UsageError
 from ddpjob.weights import WRAPPER_PREFIXES, add_prefix, model_state
 
@@ -31,13 +31,18 @@ def describe_format(obj: Any) -> str:
     return "plain state dict"
 
 
+def _safetensors_form(path: Path) -> str:
+    index, files = hfweights.files_of(path)
+    return f"sharded safetensors ({len(files)} shards, {index.name})" if index else "safetensors (one file)"
+
+
 def load_any(path: Path) -> Any:
-    """A checkpoint or state dict from a torch file, the tensors of a .safetensors file, or the
-    model weights of a DCP folder."""
+    """A checkpoint or state dict from a torch file, the tensors of a .safetensors file or sharded
+    set, or the model weights of a DCP folder."""
+    if hfweights.is_weights(path):
+        return hfweights.read(path)
     if path.is_dir():
         return {"format": "dcp", "model": sharded.read_model(path)}
-    if path.suffix == ".safetensors" and path.is_file():
-        return optional.require("safetensors.torch", f"reading {path}").load_file(str(path))
     return checkpoint.read(path)
 
 
@@ -49,12 +54,13 @@ def inspect(path: Path, show: int = 50) -> list[str]:
     obj = load_any(path)
     raw_keys = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), Mapping)), obj)
     weights = model_state(obj, str(path))
+    form = _safetensors_form(path) if hfweights.is_weights(path) else describe_format(obj)
     prefixes = sorted({p for k in raw_keys for p in WRAPPER_PREFIXES if k.startswith(p)})
     integrity = checkpointer.verify(path) if checkpointer.checkable(path) else "no manifest"
     params = sum(t.numel() for t in weights.values())
     lines = [
         f"file:       {path} ({size_of(path) / 2**20:.2f} MiB)",
-        f"format:     {describe_format(obj)}",
+        f"format:     {form}",
         f"integrity:  {'ok (matches its manifest)' if integrity is None else integrity}",
         f"written by: torch {obj.get('torch_version', '?')}",
         f"step/epoch: {obj.get('step', '-')} / {obj.get('epoch', obj.get('progress', {}).get('epoch', '-'))}",
@@ -69,22 +75,30 @@ def inspect(path: Path, show: int = 50) -> list[str]:
     return lines
 
 
-def convert(src: Path, dst: Path, to: str, prefix: str) -> str:
-    """Write src's model weights to dst as `to` (plain, ddpjob or safetensors), with or without prefix."""
+def convert(src: Path, dst: Path, to: str, prefix: str, max_shard_size: str = "") -> str:
+    """Write src's model weights to dst as `to` (plain, ddpjob, dcp or safetensors: one file, or with
+    max_shard_size a Hugging Face sharded set in the folder dst), with or without prefix."""
+    if max_shard_size and to != "safetensors":
+        raise UsageError(f"--max-shard-size shards safetensors only; add --to safetensors (not --to {to})")
+    inputs = [src, *(hfweights.files_of(src)[1] if hfweights.is_weights(src) else [])]
+    folder = dst.resolve() if max_shard_size else None  # shards are written into dst
+    if any(p.resolve() == dst.resolve() or p.resolve().parent == folder for p in inputs):
+        raise UsageError(f"{dst} is (or holds) the input; write the converted checkpoint elsewhere")
     weights = model_state(load_any(src), str(src))
     if prefix:
         weights = add_prefix(weights, prefix)
-    if dst.resolve() == src.resolve():
-        raise UsageError(f"{dst} is the input file; write the converted checkpoint elsewhere")
     if to == "dcp":
         sharded.write_model(weights, dst)
     elif to == "safetensors":
-        save_file = optional.require("safetensors.torch", "ddpjob ckpt convert --to safetensors").save_file
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(dst))
+        return f"wrote {dst}: {hfweights.write(weights, dst, max_shard_size)} as safetensors{_prefix_note(prefix)}"
     else:
         data: dict[str, Any] = weights
         if to == "ddpjob":
             data = {"format": checkpoint.FORMAT, "model": weights, "step": 0, "torch_version": str(torch.__version__)}
         dst.parent.mkdir(parents=True, exist_ok=True)
         checkpoint.save(data, dst)
-    return f"wrote {dst}: {len(weights)} tensors as {to}{f' with prefix {prefix!r}' if prefix else ', no prefix'}"
+    return f"wrote {dst}: {len(weights)} tensors as {to}{_prefix_note(prefix)}"
+
+
+def _prefix_note(prefix: str) -> str:
+    return f" with prefix {prefix!r}" if prefix else ", no prefix"

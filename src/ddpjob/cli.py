@@ -74,16 +74,25 @@ def _ckpt(argv: Sequence[str]) -> int:
     inspect = sub.add_parser("inspect", help="format, step, keys, shapes, dtypes, size, integrity, prefix")
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--all", action="store_true", help="list every tensor")
-    convert = sub.add_parser("convert", help="strip/add the module. prefix; plain, ddpjob, dcp or safetensors")
+    convert = sub.add_parser(
+        "convert", help="strip/add the module. prefix; plain, ddpjob, dcp or safetensors (one file or sharded)"
+    )
     convert.add_argument("src", type=Path)
     convert.add_argument("dst", type=Path)
     convert.add_argument("--to", choices=("plain", "ddpjob", "dcp", "safetensors"), default="plain")
     convert.add_argument("--add-prefix", default="", metavar="PREFIX", help="e.g. module. (default: strip prefixes)")
+    convert.add_argument(
+        "--max-shard-size",
+        default="",
+        metavar="SIZE",
+        help="with --to safetensors: write DST as a Hugging Face folder of shards of at most SIZE (e.g. 2GB, 500MB, "
+        "1GiB) and model.safetensors.index.json",
+    )
     args = parser.parse_args(argv)
     if args.action == "inspect":
         print("\n".join(ckpt_tools.inspect(args.path, show=10**9 if args.all else 50)))
     else:
-        print(ckpt_tools.convert(args.src, args.dst, args.to, args.add_prefix))
+        print(ckpt_tools.convert(args.src, args.dst, args.to, args.add_prefix, args.max_shard_size))
     return EXIT_OK
 
 
@@ -121,7 +130,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "doctor": (_doctor, "preflight checks of this node (rendezvous, /dev/shm, interfaces, devices, disk)"),
     "plot": (_plot, "PNG of loss, accuracy and throughput of a run, marking restarts and resumes"),
     "diagnose": (_diagnose, "which rank stopped a stuck job, in which collective, from RUN_DIR/traces"),
-    "ckpt": (_ckpt, "inspect or convert checkpoints (module. prefix, plain, safetensors)"),
+    "ckpt": (_ckpt, "inspect or convert checkpoints (module. prefix, plain, safetensors, sharded safetensors)"),
     "config": (_config, "print the resolved config (defaults < .env < DDPJOB_* < flags) as a .env file"),
 }
 

@@ -41,8 +41,28 @@ class Config:
         "samples per optimizer step over all processes; set, it fixes the run at any world size (grad accumulation "
         "= it / (batch size x processes)); 0: batch size x grad accum x processes",
     )
-    lr: float = _opt(3e-3, "AdamW learning rate (cosine decay to 0 over the run)")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    loss: str = _opt(
+        "auto",
+        "auto: the model's own loss (a scalar, a dict with 'loss', an object with .loss), else cross-entropy on "
+        "(input, label) batches; or MODULE:CALLABLE[(k=v,...)], fn(output, batch) -> scalar or (scalar, {name: value})",
+    )
+    optimizer: str = _opt(
+        "adamw", "adamw, adam, sgd, or MODULE:CALLABLE[(k=v,...)], a factory given the model returning an optimizer"
+    )
+    lr: float = _opt(3e-3, "peak learning rate (see --schedule)")
+    weight_decay: float = _opt(0.0, "weight decay, not applied to biases and norm weights (parameters of < 2 dims)")
+    momentum: float = _opt(0.0, "sgd: momentum")
+    nesterov: bool = _opt(False, "sgd: Nesterov momentum (needs --momentum > 0)")
+    betas: str = _opt("0.9,0.999", "adam, adamw: B1,B2")
+    schedule: str = _opt(
+        "cosine",
+        "cosine or linear (to --min-lr over the run), constant, or MODULE:CALLABLE[(k=v,...)], "
+        "fn(step, total_steps) -> factor of the base LR",
+    )
+    warmup_steps: int = _opt(0, "steps of linear LR warm-up before a built-in schedule")
+    min_lr: float = _opt(0.0, "the LR cosine and linear schedules end at")
+    grad_clip: float = _opt(0.0, "clip the gradients' total norm to MAX_NORM, logging grad_norm (0: off)")
+    compile: bool = _opt(False, "torch.compile the DDP-wrapped model (DDPOptimizer splits graphs at its buckets)")
     seed: int = _opt(0, "seed for weights, data order and every RNG")
     strategy: str = _opt(
         "ddp", "ddp: one process per device; dp: nn.DataParallel in one process; none", ("ddp", "dp", "none")
@@ -51,7 +71,15 @@ class Config:
     precision: str = _opt("fp32", "bf16 enables autocast on CUDA", ("fp32", "bf16"))
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     init_method: str = _opt("env://", "process group init: env:// or tcp://HOST:PORT")
-    collective_timeout: float = _opt(300.0, "seconds before a stuck collective (dead peer) fails the job")
+    startup_timeout: float = _opt(
+        600.0,
+        "seconds a collective may wait from joining the process group until the first step has finished (NCCL "
+        "set-up, the DDP broadcast, the first step and its compilation)",
+    )
+    collective_timeout: float = _opt(
+        300.0, "seconds a collective of a later step may wait (a dead, hung or cut-off peer) before the job fails"
+    )
+    eval_timeout: float = _opt(1800.0, "seconds an evaluation pass (and the end-of-run checks) may take")
     save_timeout: float = _opt(
         1800.0, "seconds the ranks wait for a checkpoint save or load (slow storage) before failing the job"
     )
@@ -76,7 +104,10 @@ class Config:
         "fail", "fail: exit 3 when a checkpoint cannot be written; warn: log and go on", ("fail", "warn")
     )
     resume: str = _opt("auto", "auto: newest valid checkpoint in CHECKPOINT_DIR; never; or a checkpoint PATH")
-    init_from: str = _opt("", "load model weights only from PATH (ddpjob checkpoint or any state dict)")
+    init_from: str = _opt(
+        "",
+        "load model weights only from PATH (ddpjob checkpoint, any state dict, .safetensors, Hugging Face sharded dir)",
+    )
     load_mode: str = _opt(
         "mmap", "mmap: every rank maps the file; rank0: rank 0 reads and broadcasts (no shared fs)", ("mmap", "rank0")
     )
@@ -105,10 +136,14 @@ class Config:
         "warn when a rank's own step work is this many times the other ranks' median, --straggler-intervals in a row",
     )
     straggler_intervals: int = _opt(3, "logging intervals in a row a rank must be slow before it is named")
-    heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
+    heartbeat: float = _opt(
+        0.0,
+        "every S seconds each rank logs its step, phase and time without progress (0: off); a rank without "
+        "progress past its phase's timeout exits 1 in any case",
+    )
     trace_after: float = _opt(
         120.0,
-        "seconds without a finished step before each rank writes what it is doing (collectives in flight, Python "
+        "seconds without progress before each rank writes what it is doing (collectives in flight, Python "
         "stacks) to RUN_DIR/traces/ for `ddpjob diagnose` (0: off)",
     )
     # node level (ddpjob launch)
@@ -141,6 +176,11 @@ class Config:
         """(MIN, MAX) nodes from --nnodes (N: (N, N)); None when not given."""
         return parse_nodes(self.nnodes, flag("nnodes")) if self.nnodes else None
 
+    @property
+    def beta_pair(self) -> tuple[float, float]:
+        """--betas as (B1, B2)."""
+        return parse_betas(self.betas)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -160,6 +200,20 @@ def parse_nodes(raw: str, where: str) -> tuple[int, int]:
     return nodes
 
 
+def parse_betas(raw: str) -> tuple[float, float]:
+    """'0.9,0.95' -> (0.9, 0.95); UsageError unless two numbers in [0, 1)."""
+    try:
+        b1, b2 = (float(part) for part in raw.split(","))
+    except ValueError:
+        b1 = b2 = -1.0
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise UsageError(f"--betas {raw!r} must be two numbers in [0, 1) as B1,B2, e.g. 0.9,0.95")
+    return b1, b2
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -174,7 +228,12 @@ class _Parser(argparse.ArgumentParser):
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", help="read DDPJOB_* settings from this file (default: ./.env if present)")
     for f in FIELDS.values():
-        parser.add_argument(flag(f.name), dest=f.name, default=None, metavar=f.name.upper(), help=f.metadata["help"])
+        on_off: dict[str, Any] = (
+            {"nargs": "?", "const": "true"} if isinstance(f.default, bool) else {}
+        )  # --compile alone: on
+        parser.add_argument(
+            flag(f.name), dest=f.name, default=None, metavar=f.name.upper(), help=f.metadata["help"], **on_off
+        )
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -186,6 +245,10 @@ def _convert(name: str, raw: str, where: str) -> Any:
     if f.metadata["choices"] and raw not in f.metadata["choices"]:
         raise UsageError(f"{where}={raw!r} is not one of {', '.join(f.metadata['choices'])}")
     kind: type = type(f.default)
+    if kind is bool:
+        if raw.strip().lower() not in TRUE + FALSE:
+            raise UsageError(f"{where}={raw!r} is not on or off; give true or false")
+        return raw.strip().lower() in TRUE
     try:
         return kind(raw)
     except ValueError:
@@ -260,7 +323,28 @@ def validate(cfg: Config) -> None:
     ):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
-    for name in ("lr", "collective_timeout", "save_timeout", "fs_timeout", "straggler_factor", "tracker_timeout"):
+    for name in ("momentum", "warmup_steps", "min_lr", "grad_clip"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
+    parse_betas(cfg.betas)
+    for name, built_in in (("optimizer", ("adamw", "adam", "sgd")), ("schedule", ("cosine", "linear", "constant"))):
+        spec = getattr(cfg, name)
+        if spec not in built_in and (":" not in spec or spec.startswith(":") or spec.endswith(":")):
+            raise UsageError(f"{flag(name)} {spec!r} is not one of {', '.join(built_in)} or a package.module:callable")
+    if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
+        raise UsageError("--nesterov needs --optimizer sgd and --momentum above 0")
+    if cfg.loss != "auto" and (":" not in cfg.loss or cfg.loss.startswith(":") or cfg.loss.endswith(":")):
+        raise UsageError(f"--loss {cfg.loss!r} must be auto or look like package.module:callable")
+    for name in (
+        "lr",
+        "startup_timeout",
+        "collective_timeout",
+        "eval_timeout",
+        "save_timeout",
+        "fs_timeout",
+        "straggler_factor",
+        "tracker_timeout",
+    ):
         if getattr(cfg, name) <= 0:
             raise UsageError(f"{flag(name)} must be positive, got {getattr(cfg, name)}")
     if cfg.global_batch_size < 0:

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ class Metrics:
             self.tb = board.SummaryWriter(tensorboard)
         self.bar: Any = None
         self.loss_sum: torch.Tensor | None = None
+        self.sums: dict[str, torch.Tensor | float] = {}
         self.count, self.last_time, self.last_step = 0, time.perf_counter(), 0
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,15 +80,27 @@ class Metrics:
         """Whether ``step`` is a logging interval (the same answer on every rank)."""
         return step % self.log_every == 0 or step == self.total
 
-    def step(self, step: int, epoch: int, loss: torch.Tensor, lr: float, **extra: Any) -> None:
+    def step(
+        self,
+        step: int,
+        epoch: int,
+        loss: torch.Tensor,
+        lr: float,
+        averaged: Mapping[str, torch.Tensor | float] | None = None,
+        **extra: Any,
+    ) -> None:
         """Called every optimizer step with the step's loss tensor (not read back here), the LR it
-        used, and at logging intervals ``extra`` fields for the record."""
+        used, ``averaged`` values (a user loss's extras, grad_norm) that the record gives as their
+        mean over the interval like the loss, and at logging intervals ``extra`` fields for the record."""
         if not self.enabled:
             return
         if self.loss_sum is None:
             self.loss_sum = loss.detach().clone()
         else:
             self.loss_sum.add_(loss.detach())  # in place: no new tensor per step
+        for name, value in (averaged or {}).items():
+            value = value.detach().double() if isinstance(value, torch.Tensor) else value
+            self.sums[name] = self.sums[name] + value if name in self.sums else value
         self.count += 1
         if self.bar is not None:
             self.bar.update(1)
@@ -95,6 +109,8 @@ class Metrics:
         now = time.perf_counter()
         assert self.loss_sum is not None
         loss_value = self.loss_sum.item() / self.count
+        extra = {name: float(total) / self.count for name, total in self.sums.items()} | extra
+        self.sums = {}
         rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
         eta = (self.total - step) / rate if rate > 0 else 0.0
         if torch.cuda.is_available():  # a host-side counter: no device sync

@@ -1,4 +1,5 @@
-"""`ddpjob plot RUN_DIR`: loss, accuracy and throughput over steps as one PNG, from metrics.jsonl.
+"""`ddpjob plot RUN_DIR`: loss, held-out accuracy (held-out loss for jobs other than classifiers) and
+throughput over steps as one PNG, from metrics.jsonl.
 
 Restarts of the worker group and resumes from a checkpoint are marked with vertical lines.
 """
@@ -22,10 +23,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def series(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
     """What the panels show: label -> (steps, values)."""
     train = [r for r in records if r["event"] == "train"]
-    evals = [r for r in records if r["event"] in ("eval", "final") and "accuracy" in r]
+    held_out = [r for r in records if r["event"] in ("eval", "final")]
+    key = "accuracy" if any("accuracy" in r for r in held_out) else "val_loss"  # classifiers; other jobs
+    evals = [r for r in held_out if key in r]
     return {
         "loss": ([r["step"] for r in train], [r["loss"] for r in train]),
-        "held-out accuracy": ([r["step"] for r in evals], [r["accuracy"] for r in evals]),
+        f"held-out {key.replace('val_', '')}": ([r["step"] for r in evals], [r[key] for r in evals]),
         "samples/s": ([r["step"] for r in train], [r["samples_per_s"] for r in train]),
     }
 

@@ -1,7 +1,8 @@
 """Model and data plug-ins: ``MODULE:CALLABLE[(k=v, ...)]`` loading, and the built-in ones.
 
-A model factory returns an ``nn.Module`` whose output is class logits. A data factory returns a
-training ``Dataset`` of ``(input, label)`` pairs, or a ``(train, validation)`` tuple.
+A model factory returns an ``nn.Module``. A data factory returns a training ``Dataset`` (items: an
+``(input, label)`` pair, a dict of tensors, a tensor, or nested mixes; see batches.py and losses.py),
+or a ``(train, validation)`` tuple. Losses, optimizers and schedules load the same way (losses.py, optim.py).
 
 Built in:
 - ``digits_mlp`` / ``digits``: a small classifier on scikit-learn's bundled handwritten digits
@@ -12,6 +13,7 @@ Built in:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import os
 import sys
@@ -42,6 +44,18 @@ def parse_spec(spec: str) -> tuple[str, str, dict[str, Any]]:
 
 def load_callable(spec: str) -> Callable[[], Any]:
     """Import the factory named by spec; the current directory is importable, as with python -m."""
+    fn, kwargs = _resolve(spec)
+    return lambda: fn(**kwargs)
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function named by spec with its ``(k=v)`` arguments bound; the caller passes the rest
+    (a loss gets ``(output, batch)``, an optimizer factory the model)."""
+    fn, kwargs = _resolve(spec)
+    return functools.partial(fn, **kwargs)
+
+
+def _resolve(spec: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     module_name, name, kwargs = parse_spec(spec)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -52,7 +66,7 @@ def load_callable(spec: str) -> Callable[[], Any]:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UsageError(f"{module_name!r} has no callable {name!r}; check the name after ':' in {spec!r}")
-    return lambda: fn(**kwargs)
+    return fn, kwargs
 
 
 def build_model(spec: str) -> nn.Module:

@@ -17,27 +17,30 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
-from ddpjob import rng
+from ddpjob import optim, rng
+from ddpjob.batches import forward, to_device
 from ddpjob.batching import Batching, EpochSampler
 from ddpjob.checkpointer import Checkpointer, Loaded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, PeerLost, UsageError, exit_code_for, first_line
+from ddpjob.evaluation import evaluate
+from ddpjob.losses import Loss
 from ddpjob.metrics import Metrics, append_attempt, process_started
 from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
-from ddpjob.schedule import Schedule
 from ddpjob.stragglers import Stragglers
-from ddpjob.traces import Tracer, enable_nccl_dumps, start_watchdog
+from ddpjob.traces import Tracer, enable_nccl_dumps
 from ddpjob.trackers import Tracker
+from ddpjob.watchdog import Phases, start_watchdog
 from ddpjob.weights import load_weights, model_state, unwrap
 
 
@@ -98,7 +101,7 @@ def check_setup(cfg: Config, env: DistEnv) -> None:
 
 def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=cfg.collective_timeout)
+    timeout = timedelta(seconds=cfg.startup_timeout)  # until the first step: watchdog.Phases
     if not env.is_distributed:  # DDP in one process: an in-memory store, no network
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
@@ -106,9 +109,17 @@ def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        backend, init_method=cfg.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
-    )
+    try:
+        dist.init_process_group(
+            backend, init_method=cfg.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
+        )
+    except dist.DistError as exc:  # a peer that is late, dead or unreachable: a restart may find it
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if cfg.init_method == "env://" else ""
+        raise PeerLost(
+            f"rank {env.rank}: the {env.world_size} processes did not meet within --startup-timeout "
+            f"({cfg.startup_timeout:g} s) ({first_line(exc)}): one did not start or cannot reach "
+            f"{where or cfg.init_method}; its log says which"
+        ) from None
 
 
 def build(spec: str, seed: int, state: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
@@ -146,29 +157,9 @@ def check_replicas_equal(model: nn.Module, env: DistEnv) -> str:
     return mine
 
 
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, val_set: Dataset[Any], env: DistEnv, device: torch.device, batch_size: int
-) -> dict[str, float]:
-    """Accuracy and loss on the validation set, each rank taking every world_size-th sample."""
-    model.eval()
-    shard = Subset(val_set, range(env.rank, len(val_set), env.world_size))  # type: ignore[arg-type]
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in DataLoader(shard, batch_size=batch_size):
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        totals += torch.stack(
-            [
-                nn.functional.cross_entropy(logits, y, reduction="sum").double(),
-                (logits.argmax(1) == y).sum().double(),
-                torch.tensor(len(y), dtype=torch.float64, device=device),
-            ]
-        )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
-    model.train()
-    loss, correct, count = totals.tolist()
-    return {"val_loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
+def summary(scores: dict[str, float]) -> str:
+    """'val_loss 0.1234 accuracy 0.9600': evaluation's figures for a log line."""
+    return " ".join(f"{name} {value:.4f}" for name, value in scores.items())
 
 
 def report_resize(
@@ -219,8 +210,11 @@ def run(cfg: Config, env: DistEnv) -> int:
         exit_with_parent()  # an agent killed with SIGKILL must not leave its workers training on
     device = pick_device(cfg, env)
     load_callable(cfg.model)  # import errors surface here, before any network wait
+    loss = Loss(cfg.loss)
+    optim.check_plugins(cfg)
     train_set, val_set = build_data(cfg.data)
-    tracer = Tracer(cfg.run_dir, env.rank)
+    tracer, phases = Tracer(cfg.run_dir, env.rank), Phases(cfg)
+    watchdog = start_watchdog(phases, tracer, cfg.heartbeat, cfg.trace_after)
     if cfg.strategy == "ddp":
         if device.type == "cuda":
             enable_nccl_dumps(cfg.run_dir, env.rank)
@@ -231,17 +225,18 @@ def run(cfg: Config, env: DistEnv) -> int:
     # (Before, a blocking rendezvous would hold a handled signal until it returned.)
     stop = StopSignal(cfg.stop_check_every, device)
     try:
-        return train(cfg, env, device, stop, train_set, val_set, joined, tracer)
+        return train(cfg, env, device, stop, train_set, val_set, loss, joined, tracer, phases)
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
             tracer.dump(f"a collective failed: {backend_message(exc)}", keep=True)
             raise PeerLost(
                 f"rank {env.rank}: a collective failed ({backend_message(exc)}); a peer died, hung longer than "
-                f"--collective-timeout ({cfg.collective_timeout:g} s) or lost its network: that peer's log says "
-                "which; a restart (--max-restarts, requeue) resumes from the newest checkpoint"
+                f"{phases.describe()} in {phases.name} or lost its network: that peer's log says which; a restart "
+                "(--max-restarts, requeue) resumes from the newest checkpoint"
             ) from None
         raise
     finally:
+        watchdog.set()
         # DDP's reducer sits in reference cycles; freed at interpreter exit, its pending gloo work
         # aborts the process ("terminate called without an active exception"). Free it now.
         gc.collect()
@@ -256,15 +251,18 @@ def train(
     stop: StopSignal,
     train_set: Dataset[Any],
     val_set: Dataset[Any] | None,
+    loss: Loss,
     joined: float,
     tracer: Tracer,
+    phases: Phases,
 ) -> int:
     if env.is_main:
         print_config(cfg)
 
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
     checkpointer = Checkpointer(cfg, env)
-    loaded: Loaded | None = checkpointer.begin()  # rank 0 chooses; every rank verifies and loads
+    with phases.enter("checkpoint"):
+        loaded: Loaded | None = checkpointer.begin()  # rank 0 chooses; every rank verifies and loads
     state = model_state(loaded.state, str(loaded.path)) if loaded and not loaded.sharded else None
     model: nn.Module = build(cfg.model, cfg.seed, state, str(loaded.path) if loaded else "").to(device)
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
@@ -275,6 +273,8 @@ def train(
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
+    # Compiled after wrapping, as torch documents for DDP: its DDPOptimizer splits the graph at DDP's buckets.
+    runner = cast(nn.Module, torch.compile(model)) if cfg.compile else model
 
     batching, samples = Batching.of(cfg, env.world_size), len(train_set)  # type: ignore[arg-type]
     sampler = EpochSampler(samples, batching, env.rank, cfg.seed)
@@ -298,12 +298,13 @@ def train(
     schedule_steps = steps_per_epoch * cfg.epochs  # the LR schedule ignores --max-steps, so stopping early
     total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = Schedule(optimizer, schedule_steps)
+    optimizer = optim.build_optimizer(cfg, unwrap(model))
+    schedule = optim.build_schedule(cfg, optimizer, schedule_steps)
     progress = Progress(samples=samples)
     tracker = Tracker.of(cfg, env.is_main)  # its run id is checkpointed: a restart continues the run
     checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress, tracker=tracker)
-    resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
+    with phases.enter("checkpoint"):
+        resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
         checkpointer.last_saved = progress.step
         if progress.sample < 0:  # written before the global cursor: micro-batches per rank
@@ -328,11 +329,14 @@ def train(
     bf16 = cfg.precision == "bf16" and device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     tracer.current_step = lambda: progress.step
-    watchdog = start_watchdog(tracer, cfg.heartbeat, cfg.trace_after) if cfg.heartbeat or cfg.trace_after else None
-    loss_fn = nn.CrossEntropyLoss()
     own = Stragglers(env, device, cfg.straggler_factor, cfg.straggler_intervals)  # each rank's own step time
     own.attach(model)
     accum = batching.grad_accum
+
+    def save() -> None:
+        with phases.enter("checkpoint"):
+            checkpointer.save(progress.step, progress.epoch)
+
     exit_code, start_time = EXIT_OK, time.perf_counter()
     gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short
 
@@ -343,33 +347,38 @@ def train(
             loader_rng.manual_seed(cfg.seed * 100_003 + progress.epoch)
             micro = 0
             own.start()
-            for x, y in loader:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            for batch in loader:
+                batch = to_device(batch, device)
                 micro += 1
                 sync_now = micro == accum
                 no_sync = model.no_sync() if isinstance(model, DDP) and not sync_now else contextlib.nullcontext()
                 with no_sync:
                     with autocast:
-                        loss = loss_fn(model(x), y)
-                    (loss / accum if accum > 1 else loss).backward()
+                        result = loss(forward(runner, batch), batch)
+                    (result.value / accum if accum > 1 else result.value).backward()
                 if not sync_now:
                     continue
                 micro = 0
+                logged = dict(result.extras)  # averaged over the logging interval, as the loss
+                if cfg.grad_clip:  # DDP's gradients are already averaged over ranks here
+                    logged["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
                 own.step_done()
+                phases.step_done()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
                 progress.sample += batching.global_batch
                 shared = own.share() if metrics.due(progress.step) else {}  # one gather per logging interval
-                metrics.step(progress.step, progress.epoch, loss, schedule.lr, **shared)
+                metrics.step(progress.step, progress.epoch, result.value, schedule.lr, logged, **shared)
                 schedule.set(progress.step)
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
-                    checkpointer.save(progress.step, progress.epoch)
+                    save()
                 if stop.agreed(progress.step):  # a signal: checkpoint, then exit "requeue me"
                     if checkpointer.last_saved != progress.step:
-                        checkpointer.save(progress.step, progress.epoch)
-                    checkpointer.close()
+                        save()
+                    with phases.enter("checkpoint"):
+                        checkpointer.close()
                     metrics.write(event="preempted", step=progress.step, signal=stop.received)
                     exit_code = EXIT_PREEMPTED
                     return exit_code
@@ -378,26 +387,24 @@ def train(
                 own.start()
             if not batching.steps_left(samples, progress.sample):
                 if val_set is not None:  # epoch finished: evaluate, move on
-                    result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
-                    metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
+                    with phases.enter("eval"):
+                        scores = evaluate(unwrap(model), val_set, loss, env, device, cfg.batch_size)
+                    metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **scores)
                     if env.is_main:
-                        print(
-                            f"[ddpjob] epoch {progress.epoch} accuracy {result['accuracy']:.4f} "
-                            f"val_loss {result['val_loss']:.4f}",
-                            flush=True,
-                        )
+                        print(f"[ddpjob] epoch {progress.epoch} {summary(scores)}", flush=True)
                 progress.epoch, progress.sample = progress.epoch + 1, 0
 
         stop.finish()
         if checkpointer.last_saved != progress.step:
-            checkpointer.save(progress.step, progress.epoch)
-        checkpointer.close()
-        final = evaluate(unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
-        params = check_replicas_equal(unwrap(model), env)
+            save()
+        with phases.enter("checkpoint"):
+            checkpointer.close()
+        with phases.enter("eval"):
+            final = evaluate(unwrap(model), val_set, loss, env, device, cfg.batch_size) if val_set is not None else {}
+            params = check_replicas_equal(unwrap(model), env)
         if env.is_main:
-            summary = " ".join(f"{k} {v:.4f}" for k, v in final.items())
             print(
-                f"[ddpjob] done: step {progress.step} {summary} params {params} "
+                f"[ddpjob] done: step {progress.step} {summary(final)} params {params} "
                 f"({time.perf_counter() - start_time:.1f}s)",
                 flush=True,
             )
@@ -410,5 +417,3 @@ def train(
         metrics.close(step=progress.step, exit_code=exit_code)
         stop.settle()
         gc.unfreeze()
-        if watchdog:
-            watchdog.set()

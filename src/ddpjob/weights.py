@@ -69,9 +69,23 @@ def check_compatible(model: nn.Module, state: Mapping[str, torch.Tensor], source
         )
 
 
+def with_tied(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """state, plus each key it lacks that the model ties to a key it has (weights stored once, as
+    Hugging Face and ``ddpjob ckpt convert --to safetensors`` store tied weights)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    out = dict(state)
+    for names in groups.values():
+        if stored := next((n for n in names if n in state), None):
+            out.update((n, state[stored]) for n in names if n not in state)
+    return out
+
+
 def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> nn.Module:
-    """Load state into model. A model built on the meta device takes the tensors as they are
-    (``assign=True``: no second copy); any other model copies them in."""
+    """Load state into model (tied weights may be stored once). A model built on the meta device
+    takes the tensors as they are (``assign=True``: no second copy); any other model copies them in."""
+    state = with_tied(model, state)
     check_compatible(model, state, source)
     on_meta = any(t.is_meta for t in model.state_dict().values())
     model.load_state_dict(state, assign=on_meta)

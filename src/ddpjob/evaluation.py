@@ -1,0 +1,94 @@
+"""What evaluation reports on the validation set, each rank taking every world_size-th sample:
+
+- every job: ``val_loss``, the loss of ``--loss`` averaged over the set;
+- classifiers (the cross-entropy path): ``accuracy``;
+- token models (a dict batch with integer ``"labels"`` per sequence, which the model shifts as Hugging
+  Face's do): the loss weighted by the tokens predicted (labels[..., 1:] != -100),
+  ``perplexity`` (exp of it) and ``bits_per_token`` (it / ln 2);
+- a user loss's extra metrics, averaged the same way.
+
+Sums are taken in float64 and added over ranks with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from ddpjob import batches
+from ddpjob.distenv import DistEnv
+from ddpjob.losses import Loss, LossResult, logits_of
+
+IGNORE_INDEX = -100  # labels that no loss counts (padding), as torch's cross_entropy and Hugging Face
+
+
+def token_count(batch: Any) -> torch.Tensor | None:
+    """Tokens a token model's loss averages over: of integer ``labels`` per sequence, those that are
+    not -100, the first of each left out (the model shifts: it predicts nothing); None for other batches."""
+    label = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(label, torch.Tensor) and label.dim() >= 2 and not label.is_floating_point():
+        return (label[..., 1:] != IGNORE_INDEX).sum()
+    return None
+
+
+def weighed(result: LossResult, output: Any, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """One batch's sums: the weight (tokens or samples), the weighted loss and extras, and for
+    classifiers the correct predictions."""
+    tokens = token_count(batch)
+    weight = tokens.double() if tokens is not None else torch.tensor(float(batches.size(batch)), device=device)
+    sums = {"weight": weight, "val_loss": result.value.detach().double() * weight}
+    for name, value in result.extras.items():
+        sums[name] = torch.as_tensor(value, device=device).double().reshape(()) * weight
+    if tokens is not None:
+        sums["tokens"] = weight
+    if result.kind == "cross_entropy":
+        label = batches.labels(batch)
+        assert label is not None
+        sums["correct"] = (logits_of(output).argmax(-1) == label).sum().double()
+    return sums
+
+
+def all_reduced(totals: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Totals summed over ranks, under the union of the names every rank has (a rank may have seen no batch)."""
+    names = sorted(totals)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, names)
+        names = sorted(set().union(*every))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        stacked = torch.stack([totals.get(name, zero) for name in names])
+        dist.all_reduce(stacked)
+        return dict(zip(names, stacked.tolist(), strict=True))
+    return {name: float(totals[name]) for name in names}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, val_set: Dataset[Any], loss: Loss, env: DistEnv, device: torch.device, batch_size: int
+) -> dict[str, float]:
+    """The metrics above on ``val_set``, the same on every rank."""
+    model.eval()
+    shard = Subset(val_set, range(env.rank, len(val_set), env.world_size))  # type: ignore[arg-type]
+    totals: dict[str, torch.Tensor] = {}
+    for batch in DataLoader(shard, batch_size=batch_size):
+        batch = batches.to_device(batch, device)
+        output = batches.forward(model, batch)
+        for name, value in weighed(loss(output, batch), output, batch, device).items():
+            totals[name] = totals[name] + value if name in totals else value
+    model.train()
+    summed = all_reduced(totals, device)
+    weight = max(summed.pop("weight", 0.0), 1e-12)
+    result = {"val_loss": summed.pop("val_loss", 0.0) / weight}
+    if "correct" in summed:
+        result["accuracy"] = summed.pop("correct") / weight
+    if summed.pop("tokens", 0.0):
+        result["perplexity"] = math.exp(min(result["val_loss"], 700.0))
+        result["bits_per_token"] = result["val_loss"] / math.log(2)
+    result.update({name: value / weight for name, value in summed.items()})
+    return result
