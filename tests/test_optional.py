@@ -84,12 +84,13 @@ def test_require_names_the_package_and_extra(monkeypatch):
     assert optional.require("json", "y") is json
 
 
-def test_every_extra_package_is_known_to_require():
+@pytest.mark.parametrize("extra", ["tools", "trackers"])
+def test_every_extra_package_is_known_to_require(extra):
     text = (REPO / "pyproject.toml").read_text()
-    tools = re.search(r"^tools = \[(.*)\]$", text, re.M)
-    assert tools, "pyproject.toml has no tools extra"
-    packages = set(re.findall(r'"([A-Za-z0-9_.-]+)', tools.group(1)))
-    assert packages == {p for p, extra in optional.EXTRAS.items() if extra == "tools"}
+    listed = re.search(rf"^{extra} = \[(.*)\]", text, re.M)
+    assert listed, f"pyproject.toml has no {extra} extra"
+    packages = set(re.findall(r'"([A-Za-z0-9_.-]+)', listed.group(1)))
+    assert packages == {p for p, e in optional.EXTRAS.items() if e == extra}
 
 
 def test_optional_packages_are_imported_only_through_require():

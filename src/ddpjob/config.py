@@ -113,6 +113,23 @@ class Config:
     )
     log_every: int = _opt(10, "log a line every N steps on rank 0")
     tensorboard: str = _opt("", "also write the metrics as TensorBoard scalars to DIR (needs the tensorboard package)")
+    tracker: str = _opt(
+        "none",
+        "also send the metrics to an experiment tracker, one run across restarts (needs the trackers extra)",
+        ("none", "mlflow", "wandb"),
+    )
+    tracker_uri: str = _opt(
+        "",
+        "mlflow: tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db); "
+        "wandb: server URL (default: $WANDB_BASE_URL, else W&B's)",
+    )
+    tracker_project: str = _opt(
+        "", "MLflow experiment or W&B project (default: $MLFLOW_EXPERIMENT_NAME or $WANDB_PROJECT, else ddpjob)"
+    )
+    tracker_run_name: str = _opt("", "the tracker run's name (default: RUN_DIR's name)")
+    tracker_timeout: float = _opt(
+        30.0, "seconds the job waits at its end for the tracker to send what is queued (a dead server never hangs it)"
+    )
     stop_check_every: int = _opt(10, "steps between agreeing on a stop signal across ranks")
     straggler_factor: float = _opt(
         1.5,
@@ -326,6 +343,7 @@ def validate(cfg: Config) -> None:
         "save_timeout",
         "fs_timeout",
         "straggler_factor",
+        "tracker_timeout",
     ):
         if getattr(cfg, name) <= 0:
             raise UsageError(f"{flag(name)} must be positive, got {getattr(cfg, name)}")
@@ -347,6 +365,8 @@ def validate(cfg: Config) -> None:
         raise UsageError("--checkpoint-format dcp is read by every rank; use --load-mode mmap")
     if cfg.tensorboard:
         optional.require("tensorboard", f"--tensorboard {cfg.tensorboard}")
+    if cfg.tracker != "none":  # its package, named as the tracker; imported only by rank 0's tracker thread
+        optional.check(cfg.tracker, f"--tracker {cfg.tracker}")
     if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):
         raise UsageError(f"--init-method {cfg.init_method!r} must be env:// or tcp://HOST:PORT")
     for name in ("resume", "init_from"):

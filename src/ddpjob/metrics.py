@@ -1,5 +1,6 @@
 """What rank 0 reports: JSON-lines metrics (appended across restarts), optionally the same as
-TensorBoard scalars (``--tensorboard DIR``), and progress on stdout.
+TensorBoard scalars (``--tensorboard DIR``) and tracker metrics (``--tracker``, trackers.py), and
+progress on stdout.
 
 Losses are accumulated on the device and read back only at logging intervals, so the loop has
 no per-step host sync.
@@ -19,13 +20,22 @@ from typing import Any
 import torch
 
 from ddpjob import optional
+from ddpjob.trackers import Tracker
 
 
 class Metrics:
     def __init__(
-        self, path: Path, enabled: bool, total_steps: int, samples_per_step: int, log_every: int, tensorboard: str = ""
+        self,
+        path: Path,
+        enabled: bool,
+        total_steps: int,
+        samples_per_step: int,
+        log_every: int,
+        tensorboard: str = "",
+        tracker: Tracker | None = None,
     ) -> None:
         self.enabled, self.total, self.log_every = enabled, total_steps, log_every
+        self.tracker = tracker if tracker is not None and tracker.enabled else None
         self.samples_per_step = samples_per_step
         self.file = None
         self.tb: Any = None
@@ -42,6 +52,8 @@ class Metrics:
 
     def start(self, step: int, **fields: Any) -> None:
         self.last_step, self.last_time = step, time.perf_counter()
+        if self.tracker is not None:
+            self.tracker.start()
         self.write(event="start", step=step, **fields)
         if self.enabled and sys.stdout.isatty():
             from tqdm import tqdm
@@ -51,10 +63,18 @@ class Metrics:
     def write(self, **record: Any) -> None:
         if self.file:
             self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-        if self.tb is not None and "step" in record:
-            for key, value in record.items():
-                if key not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool):
-                    self.tb.add_scalar(f"{record['event']}/{key}", value, record["step"])
+        if "step" not in record or (self.tb is None and self.tracker is None):
+            return
+        values = {
+            f"{record['event']}/{key}": float(value)
+            for key, value in record.items()
+            if key not in ("step", "epoch") and isinstance(value, int | float) and not isinstance(value, bool)
+        }
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, record["step"])
+        if self.tracker is not None:  # queued for its thread: never waits
+            self.tracker.log(record["event"], record["step"], values)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a logging interval (the same answer on every rank)."""
@@ -126,6 +146,9 @@ class Metrics:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.tracker is not None:
+            self.tracker.close(int(fields.get("exit_code", 0)))
+            self.tracker = None
 
 
 def read_records(path: Path, reader: str) -> list[dict[str, Any]]:

@@ -8,11 +8,18 @@ a ModuleNotFoundError traceback. Every package of an extra in pyproject.toml is 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 from ddpjob.errors import UsageError, first_line
 
-EXTRAS = {"matplotlib": "tools", "safetensors": "tools", "tensorboard": "tools"}  # package -> extra
+EXTRAS = {
+    "matplotlib": "tools",
+    "safetensors": "tools",
+    "tensorboard": "tools",
+    "mlflow": "trackers",
+    "wandb": "trackers",
+}  # package -> extra
 
 
 def require(module: str, purpose: str, package: str = "") -> ModuleType:
@@ -21,7 +28,21 @@ def require(module: str, purpose: str, package: str = "") -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise UsageError(
-            f"{purpose} needs the optional package {package} ({first_line(exc)}); "
-            f"install it with: pip install 'ddpjob[{EXTRAS.get(package, 'tools')}]'"
-        ) from None
+        raise _missing(package, purpose, first_line(exc)) from None
+
+
+def check(package: str, purpose: str) -> None:
+    """That `package` is installed, without importing it (a slow import is left to where it is used)."""
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise _missing(package, purpose, f"No module named {package!r}")
+
+
+def _missing(package: str, purpose: str, reason: str) -> UsageError:
+    return UsageError(
+        f"{purpose} needs the optional package {package} ({reason}); "
+        f"install it with: pip install 'ddpjob[{EXTRAS.get(package, 'tools')}]'"
+    )

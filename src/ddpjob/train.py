@@ -39,6 +39,7 @@ from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
 from ddpjob.stragglers import Stragglers
 from ddpjob.traces import Tracer, enable_nccl_dumps
+from ddpjob.trackers import Tracker
 from ddpjob.watchdog import Phases, start_watchdog
 from ddpjob.weights import load_weights, model_state, unwrap
 
@@ -300,7 +301,8 @@ def train(
     optimizer = optim.build_optimizer(cfg, unwrap(model))
     schedule = optim.build_schedule(cfg, optimizer, schedule_steps)
     progress = Progress(samples=samples)
-    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress)
+    tracker = Tracker.of(cfg, env.is_main)  # its run id is checkpointed: a restart continues the run
+    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress, tracker=tracker)
     with phases.enter("checkpoint"):
         resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
@@ -310,7 +312,9 @@ def train(
             progress.sample = legacy
     schedule.set(progress.step)  # the LR of this run's schedule at this step, whatever the checkpoint held
 
-    metrics = Metrics(cfg.metrics_path, env.is_main, total_steps, batching.global_batch, cfg.log_every, cfg.tensorboard)
+    metrics = Metrics(
+        cfg.metrics_path, env.is_main, total_steps, batching.global_batch, cfg.log_every, cfg.tensorboard, tracker
+    )
     metrics.start(
         progress.step,
         resumed_from=str(loaded.path) if resumed and loaded else None,

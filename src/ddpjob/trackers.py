@@ -1,0 +1,271 @@
+"""Experiment trackers (``--tracker mlflow|wandb``): rank 0's metrics records as one tracker run
+across restarts, sent from a background thread so that no step ever waits on the network.
+
+The loop hands records only at logging intervals (through Metrics.write) to a bounded queue; a
+full queue drops the record and counts it. close() lets the thread send what is queued for at most
+--tracker-timeout seconds, so a dead tracking server can neither hang the job nor its exit. A
+tracker that cannot start, or a server that goes away, is a warning: training goes on.
+
+One run across restarts: the run id is checkpointed (this object is attached to the checkpointer)
+and kept in RUN_DIR/tracker.json with the highest step sent per event. A torchrun restart, a Slurm
+requeue or a pod retry resumes that run (the checkpoint's id first, then tracker.json's) and sends
+only steps beyond those the run already holds: no step is logged twice, none goes backwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ddpjob import optional
+from ddpjob.errors import EXIT_OK, EXIT_PREEMPTED, first_line
+
+if TYPE_CHECKING:
+    from ddpjob.config import Config
+
+QUEUE_SIZE = 1000  # records waiting for the thread; more are dropped, never waited for
+
+
+def warn(message: str) -> None:
+    print(f"[ddpjob] warning: tracker: {message}", file=sys.stderr, flush=True)
+
+
+class Backend(Protocol):
+    where: str
+
+    def start(self, run_id: str, params: dict[str, Any]) -> tuple[str, bool]:
+        """Resume run_id when it exists here, else create a run with params; (its id, resumed)."""
+
+    def log(self, values: dict[str, float], step: int) -> None: ...
+
+    def finish(self, exit_code: int) -> None: ...
+
+
+class MLflow:
+    """An MLflow run through MlflowClient (no process-global active run)."""
+
+    def __init__(self, uri: str, experiment: str, name: str) -> None:
+        mlflow = optional.require("mlflow", "--tracker mlflow")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        self.entities = mlflow.entities
+        self.where, self.experiment, self.name, self.run_id = uri, experiment, name, ""
+
+    def start(self, run_id: str, params: dict[str, Any]) -> tuple[str, bool]:
+        if run_id:
+            try:
+                self.client.get_run(run_id)
+            except Exception as exc:
+                warn(f"mlflow run {run_id} is not in {self.where} ({first_line(exc)}); starting a new run")
+            else:
+                self.run_id = run_id
+                self.client.update_run(run_id, status="RUNNING")
+                return run_id, True
+        found = self.client.get_experiment_by_name(self.experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
+        run = self.client.create_run(experiment_id, run_name=self.name, tags={"ddpjob.host": socket.gethostname()})
+        self.run_id = run.info.run_id
+        self.client.log_batch(self.run_id, params=[self.entities.Param(k, str(v)) for k, v in params.items()])
+        return self.run_id, False
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        stamp = int(time.time() * 1000)
+        metrics = [self.entities.Metric(k, v, stamp, step) for k, v in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def finish(self, exit_code: int) -> None:
+        status = {EXIT_OK: "FINISHED", EXIT_PREEMPTED: "KILLED"}.get(exit_code, "FAILED")
+        self.client.set_terminated(self.run_id, status=status)
+
+
+class WandB:
+    """A W&B run; resumed with ``wandb.init(id=..., resume="allow")``. WANDB_MODE, WANDB_DIR and the
+    other WANDB_* variables apply as usual; without WANDB_DIR its files go to RUN_DIR."""
+
+    def __init__(self, url: str, project: str, name: str, run_dir: str) -> None:
+        self.wandb = optional.require("wandb", "--tracker wandb")
+        self.url, self.project, self.name, self.run_dir = url, project, name, run_dir
+        mode = os.environ.get("WANDB_MODE", "")
+        self.where = url or os.environ.get("WANDB_BASE_URL", "") or (f"WANDB_MODE={mode}" if mode else "W&B's server")
+        self.run: Any = None
+
+    def start(self, run_id: str, params: dict[str, Any]) -> tuple[str, bool]:
+        kwargs: dict[str, Any] = {"dir": None if os.environ.get("WANDB_DIR") else self.run_dir}
+        if self.url:
+            kwargs["settings"] = self.wandb.Settings(base_url=self.url)
+        self.run = self.wandb.init(
+            project=self.project,
+            name=self.name,
+            id=run_id or uuid.uuid4().hex[:12],
+            resume="allow",
+            config=None if run_id else params,  # params once, with the run
+            **kwargs,
+        )
+        return str(self.run.id), bool(run_id)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+class Tracker:
+    """Rank 0 sends; every rank carries the run id through checkpoints (state_dict/load_state_dict)."""
+
+    def __init__(
+        self,
+        kind: str,
+        enabled: bool,
+        run_dir: str,
+        uri: str = "",
+        project: str = "",
+        run_name: str = "",
+        timeout: float = 30.0,
+        params: dict[str, Any] | None = None,
+    ) -> None:
+        self.kind, self.enabled = kind, enabled and kind != "none"
+        self.run_dir, self.uri, self.timeout, self.params = Path(run_dir), uri, timeout, params or {}
+        self.project = project or os.environ.get("MLFLOW_EXPERIMENT_NAME" if kind == "mlflow" else "WANDB_PROJECT", "")
+        self.project = self.project or "ddpjob"
+        self.run_name = run_name or self.run_dir.resolve().name
+        self.run_id = ""  # set by the thread once the run has started (or from the checkpoint)
+        self.saved: dict[str, Any] = {}
+        self.logged: dict[str, int] = {}  # event -> highest step the run holds
+        self.queue: queue.Queue[tuple[str, int, dict[str, float]]] = queue.Queue(QUEUE_SIZE)
+        self.dropped, self.dead = 0, False
+        self.closing = threading.Event()
+        self.exit_code = EXIT_OK
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, cfg: Config, is_main: bool) -> Tracker:
+        """The job's tracker: sends from rank 0 only; params are the job's config."""
+        names = ("uri", "project", "run_name", "timeout")
+        settings = {name: getattr(cfg, f"tracker_{name}") for name in names}
+        return cls(cfg.tracker, is_main, cfg.run_dir, params=cfg.to_dict(), **settings)
+
+    @property
+    def state_path(self) -> Path:
+        return self.run_dir / "tracker.json"
+
+    # ---- checkpointed ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "run_id": self.run_id or self.saved.get("run_id", "")}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        if state.get("kind") == self.kind and state.get("run_id"):
+            self.saved = dict(state)
+
+    # ---- the loop's side: never waits ------------------------------------------------------------
+    def start(self) -> None:
+        """Rank 0, before the first step: choose the run to continue (no network) and start the thread."""
+        if not self.enabled:
+            return
+        stored = self._read_state()
+        run_id = self.saved.get("run_id", "") or stored.get("run_id", "")
+        if stored.get("run_id") == run_id:
+            self.logged = {k: int(v) for k, v in stored.get("logged", {}).items()}
+        self.uri = self.uri or self._default_uri()
+        self.thread = threading.Thread(target=self._work, args=(run_id,), name="ddpjob-tracker", daemon=True)
+        self.thread.start()
+
+    def log(self, event: str, step: int, values: dict[str, float]) -> None:
+        """A record's numeric fields at its step: queued for the thread, or dropped (and counted) when full."""
+        if not self.enabled or self.dead or not values:
+            return
+        try:
+            self.queue.put_nowait((event, step, values))
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self, exit_code: int) -> None:
+        """Let the thread send what is queued and end the run, for at most the timeout."""
+        if self.thread is None:
+            return
+        self.exit_code = exit_code
+        self.closing.set()
+        self.thread.join(self.timeout)
+        if self.thread.is_alive():
+            stuck = (
+                f"run {self.run_id}" if self.run_id else f"{self.kind} at {self.uri or 'its default'} never answered:"
+            )
+            warn(
+                f"{stuck} {self.queue.qsize()} record(s) not sent within --tracker-timeout {self.timeout:g} s; exiting"
+            )
+        if self.dropped:
+            warn(f"{self.dropped} record(s) dropped while the tracker was behind (queue of {QUEUE_SIZE} full)")
+        self.thread = None
+
+    # ---- the thread ------------------------------------------------------------------------------
+    def _backend(self) -> Backend:
+        if self.kind == "mlflow":
+            return MLflow(self.uri, self.project, self.run_name)
+        return WandB(self.uri, self.project, self.run_name, str(self.run_dir))
+
+    def _work(self, run_id: str) -> None:
+        try:
+            backend = self._backend()
+            self.run_id, resumed = backend.start(run_id, self.params)
+        except Exception as exc:
+            self.dead = True
+            warn(f"{self.kind} cannot start a run at {self.uri or 'its default'} ({first_line(exc)}); training goes on")
+            return
+        if not resumed:
+            self.logged = {}
+        self._write_state()
+        verb = "continues" if resumed else "started"
+        print(f"[ddpjob] tracker: {self.kind} run {self.run_id} {verb} at {backend.where}", flush=True)
+        failing = False
+        while not (self.closing.is_set() and self.queue.empty()):
+            try:
+                event, step, values = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if step <= self.logged.get(event, -1) or step < max(self.logged.values(), default=-1):
+                continue  # the run holds this step already (sent before a restart)
+            try:
+                backend.log(values, step)
+            except Exception as exc:
+                if not failing:
+                    warn(f"{self.kind} cannot log step {step} ({first_line(exc)}); dropping records until it answers")
+                failing = True
+                continue
+            if failing:
+                print(f"[ddpjob] tracker: {self.kind} answers again at step {step}", flush=True)
+            failing = False
+            self.logged[event] = step
+            self._write_state()
+        try:
+            backend.finish(self.exit_code)
+        except Exception as exc:
+            warn(f"{self.kind} cannot end run {self.run_id} ({first_line(exc)})")
+
+    def _default_uri(self) -> str:
+        """MLflow: $MLFLOW_TRACKING_URI, else a SQLite store in RUN_DIR. W&B: its own settings."""
+        if self.kind != "mlflow":
+            return ""
+        default = f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+        return os.environ.get("MLFLOW_TRACKING_URI", "") or default
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return state if isinstance(state, dict) and state.get("kind") == self.kind else {}
+
+    def _write_state(self) -> None:
+        """RUN_DIR/tracker.json, atomically: the run and the highest step sent per event."""
+        state = {"kind": self.kind, "run_id": self.run_id, "uri": self.uri, "logged": self.logged}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(f".tracker.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_path)

@@ -1,0 +1,247 @@
+"""Experiment trackers with real parts: a real `mlflow server` (SQLite) on localhost and W&B in
+offline mode, each across a SIGTERM -> checkpoint -> resume of a 2-process torchrun job: one run,
+steps that neither restart nor repeat. A dead server only warns; a missing package is one line."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddpjob.trackers import QUEUE_SIZE, Tracker
+from helpers import PY, REPO, clean_env, ddpjob, free_port, ok, records, spawn, trained_steps, wait_until
+
+pytestmark = pytest.mark.slow
+# ~0.13 s per step (a sleep per sample fetched): the tracker starts, and a signal lands, mid-run.
+JOB = ["--data", "tests.plugins.recording:digits(delay=0.004)", "--epochs", "10", "--log-every", "4"]
+JOB += ["--save-every", "0", "--stop-check-every", "1"]
+
+
+@contextlib.contextmanager
+def serve_mlflow(home: Path) -> Iterator[str]:
+    """A real MLflow tracking server on a free localhost port with a SQLite backend; its URL."""
+    port = free_port()
+    command = [str(Path(PY).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db"]
+    command += ["--default-artifact-root", str(home / "artifacts"), "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(
+        [*command, "--workers", "1"],
+        cwd=home,
+        stdout=subprocess.DEVNULL,
+        stderr=(home / "server.log").open("w"),
+        start_new_session=True,  # its workers die with it
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        try:
+            return urllib.request.urlopen(f"{url}/health", timeout=2).status == 200
+        except OSError:
+            assert server.poll() is None, (home / "server.log").read_text()[-3000:]
+            return False
+
+    try:
+        wait_until(answers, 240, "mlflow server")
+        yield url
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)  # the server and its workers
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory) -> Iterator[str]:
+    with serve_mlflow(tmp_path_factory.mktemp("mlflow")) as url:
+        yield url
+
+
+def preempt_and_resume(work: Path, args: list[str], keep_state: bool = True, **env: str) -> tuple[int, int]:
+    """Launch 2 processes, SIGTERM once the tracker runs and training is under way (exit 75, a
+    checkpoint), launch again to the end; keep_state=False removes RUN_DIR/tracker.json in between, so
+    that only the checkpoint names the run. Returns the step the first attempt stopped at and the last."""
+    run_dir = work / "runs/ddpjob"
+    (work / "samples").mkdir()
+    env["TEST_SAMPLES_DIR"] = str(work / "samples")
+    agent = spawn(["launch", "--nproc-per-node", "2", *JOB, *args], work, **env)
+    wait_until(lambda: (run_dir / "tracker.json").exists() and trained_steps(run_dir) >= 8, 240, "tracker run")
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=240)[0]
+    assert agent.returncode == 75, out[-3000:]
+    (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
+    assert stop["step"] > 0
+    if not keep_state:
+        (run_dir / "tracker.json").unlink()
+    ok(ddpjob(["launch", "--nproc-per-node", "2", *JOB, *args], work, timeout=400, **env))
+    assert [r["step"] for r in records(run_dir) if r["event"] == "start"] == [0, stop["step"]]
+    (final,) = [r for r in records(run_dir) if r["event"] == "final"]
+    assert stop["step"] < final["step"]
+    return int(stop["step"]), int(final["step"])
+
+
+def assert_one_run_of_monotonic_steps(steps: list[int], stop: int, total: int) -> None:
+    assert steps == sorted(set(steps)), steps  # strictly increasing: none repeated, none backwards
+    assert steps[-1] == total
+    assert any(s <= stop for s in steps) and any(s > stop for s in steps)  # both attempts in it
+
+
+def test_mlflow_server_holds_one_run_with_monotonic_steps_across_sigterm_and_resume(work, mlflow_server):
+    import mlflow
+
+    stop, total = preempt_and_resume(
+        work, ["--tracker", "mlflow", "--tracker-uri", mlflow_server, "--tracker-project", "t1"], keep_state=False
+    )
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("t1")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == json.loads((work / "runs/ddpjob/tracker.json").read_text())["run_id"]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lr"] == "0.003" and run.data.params["tracker"] == "mlflow"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert_one_run_of_monotonic_steps(steps, stop, total)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "start/world_size")] == [0, stop]
+
+
+def wandb_records(path: Path) -> Iterator[object]:
+    """The protobuf records of a W&B .wandb file (a LevelDB-style log of 32 KiB blocks after a
+    7-byte header); wandb itself no longer ships a Python reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", path
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last part of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def test_wandb_offline_keeps_one_run_id_with_monotonic_steps_across_sigterm_and_resume(work):
+    wandb_dir = work / "wandb-home"
+    wandb_dir.mkdir()
+    stop, total = preempt_and_resume(work, ["--tracker", "wandb"], WANDB_MODE="offline", WANDB_DIR=str(wandb_dir))
+    attempts = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    run_id = json.loads((work / "runs/ddpjob/tracker.json").read_text())["run_id"]
+    assert len(attempts) == 2 and all(a.name.endswith(f"-{run_id}") for a in attempts)
+    steps, configs = [], []
+    for attempt in attempts:
+        for record in wandb_records(attempt / f"run-{run_id}.wandb"):
+            kind = record.WhichOneof("record_type")  # type: ignore[attr-defined]
+            if kind == "history":
+                keys = {item.key or "/".join(item.nested_key) for item in record.history.item}  # type: ignore[attr-defined]
+                if "train/loss" in keys:
+                    steps.append(record.history.step.num)  # type: ignore[attr-defined]
+            elif kind == "run":
+                configs.append({item.key for item in record.run.config.update})  # type: ignore[attr-defined]
+    assert_one_run_of_monotonic_steps(steps, stop, total)
+    assert "lr" in configs[0] and all("lr" not in c for c in configs[1:])  # the config once, with the new run
+
+
+def test_default_mlflow_store_is_sqlite_in_the_run_dir(work):
+    import mlflow
+
+    ok(ddpjob(["train", "--device", "cpu", "--max-steps", "12", "--log-every", "4", "--tracker", "mlflow"], work))
+    store = work / "runs/ddpjob/mlflow.db"
+    assert store.is_file()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
+    (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4, 8, 12]
+    assert run.data.params["max_steps"] == "12"
+
+
+def test_unreachable_tracker_server_warns_and_training_finishes(work):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    args = ["--max-steps", "12", "--tracker", "mlflow", "--tracker-uri", dead, "--tracker-timeout", "2"]
+    proc = ddpjob(["train", "--device", "cpu", *args], work, timeout=240)
+    out = ok(proc)
+    assert "[ddpjob] done: step 12" in out
+    assert "warning: tracker:" in proc.stderr and "--tracker-timeout 2 s" in proc.stderr, proc.stderr[-3000:]
+    print(f"\nunreachable tracker: job ended in {time.monotonic() - started:.1f}s")
+
+
+def test_tracking_server_dying_mid_run_only_warns(work):
+    run_dir = work / "runs/ddpjob"
+    (work / "samples").mkdir()
+    (work / "server").mkdir()
+    with serve_mlflow(work / "server") as url:
+        args = [*JOB, "--tracker", "mlflow", "--tracker-uri", url, "--tracker-timeout", "3"]
+        job = spawn(["train", "--device", "cpu", *args], work, TEST_SAMPLES_DIR=str(work / "samples"))
+
+        def sent_some() -> bool:
+            state = json.loads((run_dir / "tracker.json").read_text()) if (run_dir / "tracker.json").exists() else {}
+            return state.get("logged", {}).get("train", 0) >= 8
+
+        wait_until(sent_some, 240, "the tracker to send steps")
+    # the server is gone (killed) while training goes on
+    out = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, out[-3000:]
+    assert "[ddpjob] done:" in out and "warning: tracker:" in out, out[-3000:]
+    (final,) = [r for r in records(run_dir) if r["event"] == "final"]
+    assert json.loads((run_dir / "tracker.json").read_text())["logged"]["train"] < final["step"]  # died mid-run
+
+
+def test_a_full_queue_drops_records_and_never_blocks_the_caller(tmp_path):
+    tracker = Tracker("mlflow", True, str(tmp_path), uri=f"http://127.0.0.1:{free_port()}", timeout=1)
+    tracker.start()  # its thread is stuck retrying a server that is not there
+    began = time.perf_counter()
+    for step in range(QUEUE_SIZE + 50):
+        tracker.log("train", step, {"train/loss": 1.0})
+    spent = time.perf_counter() - began
+    assert tracker.dropped >= 50
+    assert spent < 5.0, f"{QUEUE_SIZE + 50} log() calls took {spent:.2f}s"  # put_nowait only: microseconds each
+    began = time.perf_counter()
+    tracker.close(0)
+    assert time.perf_counter() - began < 30
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, command):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # as if not installed\n")
+    env = clean_env()
+    env["PYTHONPATH"] = f"{hidden}:{REPO}"
+    proc = subprocess.run(
+        [PY, "-m", "ddpjob", command, "--tracker", "wandb", "--epochs", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "--tracker wandb needs the optional package wandb" in lines[0]
+    assert "pip install 'ddpjob[trackers]'" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work):
+    """As after a hard kill: the run holds steps up to 24, the newest checkpoint left is step 12."""
+    import mlflow
+
+    args = ["train", "--device", "cpu", "--log-every", "4", "--save-every", "12", "--tracker", "mlflow"]
+    ok(ddpjob([*args, "--max-steps", "24"], work))
+    for path in (work / "runs/ddpjob/checkpoints").glob("step-24*"):
+        path.unlink()
+    ok(ddpjob([*args, "--max-steps", "32"], work))
+    starts = [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "start"]
+    assert starts == [0, 12]  # resumed at 12: steps 13-24 trained again
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [4, 8, 12, 16, 20, 24, 28, 32]
