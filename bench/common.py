@@ -32,8 +32,8 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
-def ddpjob_train(work: Path, model: str, data: str, *args: str) -> None:
-    """`ddpjob train` on 2 processes under torchrun, run dir `work`, fresh start."""
+def ddpjob_train(work: Path, model: str, data: str, *args: str, **environ: str) -> None:
+    """`ddpjob train` on 2 processes under torchrun, run dir `work`, fresh start, ``environ`` added."""
     work.mkdir(parents=True, exist_ok=True)
     run(
         torchrun(
@@ -52,6 +52,7 @@ def ddpjob_train(work: Path, model: str, data: str, *args: str) -> None:
             *args,
         ),
         cwd=work,
+        **environ,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ CONFIGS = {"default": (256, 2, 64), "heavy": (1024, 2, 256)}  # width, depth, ba
 EPOCHS = 1000  # ddpjob's cosine runs over all of them: the bare loop is given the same length
 
 
-def ddpjob_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch: int) -> dict[str, Any]:
+def ddpjob_times(
+    work: Path, a: argparse.Namespace, width: int, depth: int, batch: int, **environ: str
+) -> dict[str, Any]:
     out = work / "times"
     data = f"ddpjob.plugins:synthetic(samples={a.samples})"
     ddpjob_train(
@@ -43,6 +46,7 @@ def ddpjob_times(work: Path, a: argparse.Namespace, width: int, depth: int, batc
         "--log-every",
         str(a.log_every),
         *shlex.split(a.ddpjob_flags),
+        **environ,
     )
     return steptimes.read(out)
 
@@ -57,6 +61,14 @@ def bare_times(work: Path, a: argparse.Namespace, width: int, depth: int, batch:
     return steptimes.read(out)
 
 
+def baseline(a: argparse.Namespace, shape: tuple[int, int, int]) -> Callable[[Path], dict[str, Any]]:
+    """The bare loop, or ddpjob with --baseline-env's variable set."""
+    if not a.baseline_env:
+        return lambda work: bare_times(work, a, *shape)
+    key, _, value = a.baseline_env.partition("=")
+    return lambda work: ddpjob_times(work, a, *shape, **{key: value})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=10, help="interleaved pairs per configuration")
@@ -65,6 +77,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16384)
     parser.add_argument("--log-every", type=int, default=10, help="ddpjob's logging interval (its default: 10)")
     parser.add_argument("--ddpjob-flags", default="", help="more flags for ddpjob train, e.g. '--tracker mlflow'")
+    parser.add_argument(
+        "--baseline-env",
+        default="",
+        help="KEY=VALUE: the baseline is ddpjob itself with this variable (e.g. TORCH_FR_BUFFER_SIZE=0: the flight "
+        "recorder off), not the bare loop: the ratio is then the cost of what it switches off",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 pairs over steps 10..40")
     a = parser.parse_args()
     if a.quick:
@@ -77,11 +95,12 @@ def main() -> None:
         pairs = run_pairs(
             a.pairs,
             lambda work: ddpjob_times(work, a, *shape),  # noqa: B023 - used within the iteration
-            lambda work: bare_times(work, a, *shape),  # noqa: B023
+            baseline(a, shape),
             lambda p: print(f"  ratio {p.ratio:.3f} (ddpjob {'first' if p.ours_first else 'second'})", flush=True),
         )
+        against = f", baseline: ddpjob with {a.baseline_env}" if a.baseline_env else ""
         report(
-            f"loop ({name}): steps/s over steps {a.first}..{a.last}, 2 procs gloo CPU, "
+            f"loop ({name}{against}): steps/s over steps {a.first}..{a.last}, 2 procs gloo CPU, "
             f"MLP width {width} depth {depth}, batch {batch} per rank",
             pairs,
         )
