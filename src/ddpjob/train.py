@@ -356,6 +356,7 @@ def train(
                     with autocast:
                         result = loss(forward(runner, batch), batch)
                     (result.value / accum if accum > 1 else result.value).backward()
+                phases.progress()  # the watchdog's clock; the first one ends start-up
                 if not sync_now:
                     continue
                 micro = 0
@@ -364,7 +365,6 @@ def train(
                     logged["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
                 own.step_done()
-                phases.step_done()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
                 progress.sample += batching.global_batch
@@ -414,6 +414,7 @@ def train(
         exit_code = exit_code_for(exc)
         raise
     finally:
-        metrics.close(step=progress.step, exit_code=exit_code)
+        with phases.enter("eval"):  # the tracker's last records may take --tracker-timeout
+            metrics.close(step=progress.step, exit_code=exit_code)
         stop.settle()
         gc.unfreeze()
