@@ -1,7 +1,8 @@
 """Model and data plug-ins: ``MODULE:CALLABLE[(k=v, ...)]`` loading, and the built-in ones.
 
 A model factory returns an ``nn.Module`` whose output is class logits. A data factory returns a
-training ``Dataset`` of ``(input, label)`` pairs, or a ``(train, validation)`` tuple.
+training ``Dataset`` of ``(input, label)`` pairs, or a ``(train, validation)`` tuple; either may be an
+``IterableDataset`` (a stream: the contract is in streams.py).
 
 Built in:
 - ``digits_mlp`` / ``digits``: a small classifier on scikit-learn's bundled handwritten digits
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ddpjob.errors import UsageError
 
@@ -65,6 +66,8 @@ def build_model(spec: str) -> nn.Module:
 def build_data(spec: str) -> tuple[Dataset[Any], Dataset[Any] | None]:
     data = load_callable(spec)()
     train, val = data if isinstance(data, tuple) else (data, None)
+    if isinstance(train, IterableDataset):  # a stream: its length, if any, is not used (streams.py)
+        return train, val
     if not hasattr(train, "__len__") or len(train) == 0:
         raise UsageError(f"data factory {spec!r} returned an empty or unsized training dataset")
     return train, val

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
-from ddpjob import rng
-from ddpjob.batching import Batching, EpochSampler
+from ddpjob import rng, streams
+from ddpjob.batching import Batching
 from ddpjob.checkpointer import Checkpointer, Loaded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
@@ -151,7 +151,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Accuracy and loss on the validation set, each rank taking every world_size-th sample."""
     model.eval()
-    shard = Subset(val_set, range(env.rank, len(val_set), env.world_size))  # type: ignore[arg-type]
+    shard = streams.eval_shard(val_set, env)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for x, y in DataLoader(shard, batch_size=batch_size):
         x, y = x.to(device), y.to(device)
@@ -275,32 +275,15 @@ def train(
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
 
-    batching, samples = Batching.of(cfg, env.world_size), len(train_set)  # type: ignore[arg-type]
-    sampler = EpochSampler(samples, batching, env.rank, cfg.seed)
-    loader_rng = torch.Generator()
-    loader = DataLoader(
-        train_set,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        generator=loader_rng,
-        num_workers=cfg.num_workers,
-        persistent_workers=cfg.num_workers > 0,
-        pin_memory=device.type == "cuda",
-    )
-    steps_per_epoch = batching.steps_per_epoch(samples)
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"a global batch of {batching.global_batch} samples (--batch-size {cfg.batch_size} x {batching.grad_accum} "
-            f"micro-batches x {env.world_size} processes) exceeds the {samples} samples of an epoch; lower it"
-        )
-    schedule_steps = steps_per_epoch * cfg.epochs  # the LR schedule ignores --max-steps, so stopping early
+    batching = Batching.of(cfg, env.world_size)
+    feed = streams.feed(train_set, cfg, batching, env, device)  # map-style or IterableDataset (streams.py)
+    schedule_steps = feed.schedule_steps(cfg)  # the LR schedule ignores --max-steps, so stopping early
     total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = Schedule(optimizer, schedule_steps)
-    progress = Progress(samples=samples)
-    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress)
+    progress = Progress(samples=feed.samples)
+    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress, per_rank=feed.stateful)
     resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
         checkpointer.last_saved = progress.step
@@ -334,12 +317,9 @@ def train(
 
     try:
         while progress.epoch < cfg.epochs and progress.step < total_steps:
-            sampler.set_epoch(progress.epoch)
-            sampler.cursor = progress.sample
-            loader_rng.manual_seed(cfg.seed * 100_003 + progress.epoch)
             micro = 0
             own.start()
-            for x, y in loader:
+            for x, y in feed.epoch(progress):
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 micro += 1
                 sync_now = micro == accum
@@ -372,7 +352,7 @@ def train(
                 if progress.step >= total_steps:
                     break
                 own.start()
-            if not batching.steps_left(samples, progress.sample):
+            if feed.epoch_done(progress):
                 if val_set is not None:  # epoch finished: evaluate, move on
                     result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
                     metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
