@@ -52,6 +52,7 @@ from ddpjob.config import Config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import UsageError
 from ddpjob.optional import require
+from ddpjob.preempt import shield_worker
 
 
 class Position(Protocol):
@@ -86,6 +87,7 @@ class Indexed:
             num_workers=cfg.num_workers,
             persistent_workers=cfg.num_workers > 0,
             pin_memory=pin,
+            worker_init_fn=shield_worker,
         )
 
     def schedule_steps(self, cfg: Config) -> int:
@@ -127,6 +129,7 @@ class Stream:
                 generator=self.generator,
                 num_workers=cfg.num_workers,
                 pin_memory=pin,
+                worker_init_fn=shield_worker,
             )  # no persistent workers: each epoch's workers copy the dataset after its set_epoch
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and env.world_size > 1 else None
         self.position: dict[str, Any] | None = None  # the loader's state after the last whole step; None: epoch start

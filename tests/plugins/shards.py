@@ -9,6 +9,7 @@ Shares differ in length on purpose, so ranks run out at different steps.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,8 @@ from ddpjob import plugins, rng
 
 
 class ShardedFiles(IterableDataset):
-    def __init__(self, files: list[Path], endless: bool = False, seed: int = 0) -> None:
-        self.files, self.endless, self.seed = files, endless, seed
+    def __init__(self, files: list[Path], endless: bool = False, seed: int = 0, delay: float = 0.0) -> None:
+        self.files, self.endless, self.seed, self.delay = files, endless, seed, delay
         self.rank, self.world, self.epoch = 0, 1, 0
         self.pass_, self.file, self.offset = 0, 0, 0  # the position: next sample of this copy's share
 
@@ -49,6 +50,7 @@ class ShardedFiles(IterableDataset):
                 while self.offset < len(order):
                     i = order[self.offset]
                     self.offset += 1  # before the yield: the state names the next sample
+                    time.sleep(self.delay)
                     yield x[i], y[i]
                 self.file, self.offset = self.file + 1, 0
             self.pass_, self.file = self.pass_ + 1, 0
@@ -64,12 +66,13 @@ def write_shards(folder: Path, sizes: list[int]) -> None:
         start += size
 
 
-def sharded(folder: str = "shards", endless: bool = False) -> tuple[ShardedFiles, Any]:
-    """The files under ``folder`` (relative to the working directory), with digits' validation set."""
+def sharded(folder: str = "shards", endless: bool = False, delay: float = 0.0) -> tuple[ShardedFiles, Any]:
+    """The files under ``folder`` (relative to the working directory), with digits' validation set;
+    ``delay``: seconds of sleep per sample, so a test can act mid-run."""
     files = sorted(Path(folder).glob("shard-*.pt"))
     if not files:
         raise FileNotFoundError(f"no shard-*.pt files in {os.path.abspath(folder)}")
-    return ShardedFiles(files, endless), plugins.digits()[1]
+    return ShardedFiles(files, endless, delay=delay), plugins.digits()[1]
 
 
 def unranked(folder: str = "shards") -> IterableDataset:
