@@ -62,7 +62,7 @@ def uninterrupted(tmp_path_factory) -> dict:
 def test_a_stream_stopped_mid_epoch_resumes_bitwise_equal_with_workers(tmp_path, uninterrupted, world, extra):
     whole = uninterrupted(world, *extra)
     epoch_steps = EPOCH[world] // (2 if "--grad-accum" in extra else 1)
-    (first_eval,) = [r for r in records(whole) if r["event"] == "eval"]
+    first_eval = next(r for r in records(whole) if r["event"] == "eval")
     assert first_eval["step"] == epoch_steps  # every rank stopped at the shorter share's end, none hung
 
     work, slow = work_with_shards(tmp_path), [*extra, "--data", f"{DATA}(delay=0.01)", "--log-every", "1"]
@@ -98,7 +98,7 @@ def test_an_endless_stream_trains_to_max_steps_and_needs_them(tmp_path):
     events = [(r["event"], r["step"]) for r in records(work / "runs/ddpjob") if r["event"] in ("eval", "final")]
     assert events == [("final", 60)]  # the epoch never ended
 
-    proc = ddpjob(endless, work / "other")
+    proc = ddpjob(endless, work_with_shards(work / "other"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "it has no length to make epochs and an LR schedule of; give --max-steps N" in proc.stderr
 
@@ -109,3 +109,16 @@ def test_an_iterable_dataset_without_set_rank_is_refused_on_two_processes(tmp_pa
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "the IterableDataset Unranked has no set_rank(rank, world_size), so each of the 2 processes" in proc.stderr
+
+
+@pytest.mark.parametrize("data", [f"{DATA}(delay=0.01)", "tests.plugins.recording:digits(delay=0.002)"])
+def test_a_stop_signal_to_the_process_group_leaves_workers_to_their_rank_which_exits_75(tmp_path, data):
+    # torchrun signals each rank's process group, DataLoader workers included; a worker killed by it
+    # failed its rank (exit 1) before the rank could checkpoint. Map-style data and streams alike.
+    work, run_dir = work_with_shards(tmp_path), tmp_path / "runs/ddpjob"
+    agent = spawn([*job(1), "--data", data, "--log-every", "1"], work, TEST_SAMPLES_DIR=str(tmp_path))
+    wait_until(lambda: trained_steps(run_dir) >= 3, 180, "training to start")
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 75, out[-3000:]
+    assert "exited unexpectedly" not in out and "killed by signal" not in out
