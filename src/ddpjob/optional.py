@@ -12,7 +12,12 @@ from types import ModuleType
 
 from ddpjob.errors import UsageError, first_line
 
-EXTRAS = {"matplotlib": "tools", "safetensors": "tools", "tensorboard": "tools", "torchdata": "streams"}  # package -> extra
+EXTRAS = {
+    "matplotlib": "tools",
+    "safetensors": "tools",
+    "tensorboard": "tools",
+    "torchdata": "streams",
+}  # package -> extra
 
 
 def require(module: str, purpose: str, package: str = "") -> ModuleType:

@@ -186,7 +186,7 @@ class Stream:
 
     # ---- checkpoint: one state per rank (Checkpointer gathers them) ----------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.position}
+        return {"loader": self.position, "workers": self.loader.num_workers}
 
     def load_rank_states(self, states: list[dict[str, Any]] | None) -> None:
         if states is None:
@@ -200,7 +200,14 @@ class Stream:
                 "an IterableDataset's per-rank shares do not carry over to another world size; resume at "
                 f"{len(states)} processes, or start anew with --resume never"
             )
-        self.position = states[self.env.rank]["loader"]
+        mine = states[self.env.rank]
+        if mine["workers"] != self.loader.num_workers:
+            raise UsageError(
+                f"the checkpoint holds the stream positions of {mine['workers']} DataLoader workers per rank, this "
+                f"run has --num-workers {self.loader.num_workers}: each worker's share of the stream is its own; "
+                f"resume with --num-workers {mine['workers']}, or start anew with --resume never"
+            )
+        self.position = mine["loader"]
 
 
 def feed(
