@@ -51,7 +51,15 @@ class Config:
     precision: str = _opt("fp32", "bf16 enables autocast on CUDA", ("fp32", "bf16"))
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     init_method: str = _opt("env://", "process group init: env:// or tcp://HOST:PORT")
-    collective_timeout: float = _opt(300.0, "seconds before a stuck collective (dead peer) fails the job")
+    startup_timeout: float = _opt(
+        600.0,
+        "seconds a collective may wait from joining the process group until the first step has finished (NCCL "
+        "set-up, the DDP broadcast, the first step and its compilation)",
+    )
+    collective_timeout: float = _opt(
+        300.0, "seconds a collective of a later step may wait (a dead, hung or cut-off peer) before the job fails"
+    )
+    eval_timeout: float = _opt(1800.0, "seconds an evaluation pass (and the end-of-run checks) may take")
     save_timeout: float = _opt(
         1800.0, "seconds the ranks wait for a checkpoint save or load (slow storage) before failing the job"
     )
@@ -88,10 +96,14 @@ class Config:
         "warn when a rank's own step work is this many times the other ranks' median, --straggler-intervals in a row",
     )
     straggler_intervals: int = _opt(3, "logging intervals in a row a rank must be slow before it is named")
-    heartbeat: float = _opt(0.0, "every S seconds each rank logs its step and time without progress (0: off)")
+    heartbeat: float = _opt(
+        0.0,
+        "every S seconds each rank logs its step, phase and time without progress (0: off); a rank without "
+        "progress past its phase's timeout exits 1 in any case",
+    )
     trace_after: float = _opt(
         120.0,
-        "seconds without a finished step before each rank writes what it is doing (collectives in flight, Python "
+        "seconds without progress before each rank writes what it is doing (collectives in flight, Python "
         "stacks) to RUN_DIR/traces/ for `ddpjob diagnose` (0: off)",
     )
     # node level (ddpjob launch)
@@ -243,7 +255,15 @@ def validate(cfg: Config) -> None:
     ):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
-    for name in ("lr", "collective_timeout", "save_timeout", "fs_timeout", "straggler_factor"):
+    for name in (
+        "lr",
+        "startup_timeout",
+        "collective_timeout",
+        "eval_timeout",
+        "save_timeout",
+        "fs_timeout",
+        "straggler_factor",
+    ):
         if getattr(cfg, name) <= 0:
             raise UsageError(f"{flag(name)} must be positive, got {getattr(cfg, name)}")
     if cfg.global_batch_size < 0:

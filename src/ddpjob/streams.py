@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -131,7 +132,9 @@ class Stream:
                 pin_memory=pin,
                 worker_init_fn=shield_worker,
             )  # no persistent workers: each epoch's workers copy the dataset after its set_epoch
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and env.world_size > 1 else None
+        timeout = timedelta(seconds=cfg.collective_timeout)  # a rank that stopped fetching: as a step's collectives
+        together = dist.is_initialized() and env.world_size > 1
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if together else None
         self.position: dict[str, Any] | None = None  # the loader's state after the last whole step; None: epoch start
         self.exhausted = False
         self.stateful = {"stream": self}

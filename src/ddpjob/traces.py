@@ -13,8 +13,9 @@ Each file is written under a temporary name and renamed, so a rank killed mid-du
 previous dump or none, never a torn one. A rank removes its own files when it starts, so a
 folder never mixes attempts of that rank.
 
-A rank dumps when it has finished no step for ``--trace-after`` seconds (from a watchdog thread:
-the main thread may be blocked in C++), and when a collective fails. A rank that is stopped
+A rank dumps when it has made no progress for ``--trace-after`` seconds and before the watchdog
+ends a stuck rank (from the watchdog thread of watchdog.py: the main thread may be blocked in
+C++), and when a collective fails. A rank that is stopped
 (SIGSTOP), dead or killed writes nothing: ``ddpjob diagnose`` names it by its absence. On NCCL,
 torch's own dump on timeout is switched on too (``enable_nccl_dumps``).
 """
@@ -111,28 +112,3 @@ def _flight_records() -> bytes | None:
         return dump() if dump else None
     except RuntimeError:
         return None
-
-
-def start_watchdog(tracer: Tracer, heartbeat: float, trace_after: float) -> threading.Event:
-    """One thread until the returned event is set: every ``heartbeat`` seconds print this rank's
-    step and time without progress (0: never); after ``trace_after`` seconds without a finished
-    step write the traces, once per stall (0: never)."""
-    stop, current_step = threading.Event(), tracer.current_step
-    tick = min(t for t in (heartbeat, trace_after / 4, 1.0) if t > 0)
-
-    def watch() -> None:
-        last_step, since, last_beat, traced = current_step(), time.monotonic(), time.monotonic(), False
-        while not stop.wait(tick):
-            step, now = current_step(), time.monotonic()
-            if step != last_step:
-                last_step, since, traced = step, now, False
-            if heartbeat and now - last_beat >= heartbeat:
-                last_beat = now
-                print(f"[ddpjob] heartbeat: step {step}, no progress for {now - since:.0f}s", flush=True)
-            if trace_after and not traced and now - since >= trace_after:
-                traced = True
-                tracer.dump(f"no step finished for {now - since:.0f} s (--trace-after {trace_after:g})")
-                print(f"[ddpjob] no progress for {now - since:.0f}s at step {step}: wrote {tracer.folder}", flush=True)
-
-    threading.Thread(target=watch, name="ddpjob-watchdog", daemon=True).start()
-    return stop

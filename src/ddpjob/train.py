@@ -36,7 +36,8 @@ from ddpjob.plugins import build_data, build_model, load_callable
 from ddpjob.preempt import StopSignal, exit_with_parent
 from ddpjob.schedule import Schedule
 from ddpjob.stragglers import Stragglers
-from ddpjob.traces import Tracer, enable_nccl_dumps, start_watchdog
+from ddpjob.traces import Tracer, enable_nccl_dumps
+from ddpjob.watchdog import Phases, start_watchdog
 from ddpjob.weights import load_weights, model_state, unwrap
 
 
@@ -97,7 +98,7 @@ def check_setup(cfg: Config, env: DistEnv) -> None:
 
 def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=cfg.collective_timeout)
+    timeout = timedelta(seconds=cfg.startup_timeout)  # until the first step: watchdog.Phases
     if not env.is_distributed:  # DDP in one process: an in-memory store, no network
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
@@ -105,9 +106,17 @@ def init_process_group(cfg: Config, env: DistEnv, device: torch.device) -> None:
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        backend, init_method=cfg.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
-    )
+    try:
+        dist.init_process_group(
+            backend, init_method=cfg.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs
+        )
+    except dist.DistError as exc:  # a peer that is late, dead or unreachable: a restart may find it
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if cfg.init_method == "env://" else ""
+        raise PeerLost(
+            f"rank {env.rank}: the {env.world_size} processes did not meet within --startup-timeout "
+            f"({cfg.startup_timeout:g} s) ({first_line(exc)}): one did not start or cannot reach "
+            f"{where or cfg.init_method}; its log says which"
+        ) from None
 
 
 def build(spec: str, seed: int, state: dict[str, torch.Tensor] | None, source: str) -> nn.Module:
@@ -219,7 +228,8 @@ def run(cfg: Config, env: DistEnv) -> int:
     device = pick_device(cfg, env)
     load_callable(cfg.model)  # import errors surface here, before any network wait
     train_set, val_set = build_data(cfg.data)
-    tracer = Tracer(cfg.run_dir, env.rank)
+    tracer, phases = Tracer(cfg.run_dir, env.rank), Phases(cfg)
+    watchdog = start_watchdog(phases, tracer, cfg.heartbeat, cfg.trace_after)
     if cfg.strategy == "ddp":
         if device.type == "cuda":
             enable_nccl_dumps(cfg.run_dir, env.rank)
@@ -230,17 +240,18 @@ def run(cfg: Config, env: DistEnv) -> int:
     # (Before, a blocking rendezvous would hold a handled signal until it returned.)
     stop = StopSignal(cfg.stop_check_every, device)
     try:
-        return train(cfg, env, device, stop, train_set, val_set, joined, tracer)
+        return train(cfg, env, device, stop, train_set, val_set, joined, tracer, phases)
     except RuntimeError as exc:
         if dist.is_initialized() and is_peer_failure(exc):
             tracer.dump(f"a collective failed: {backend_message(exc)}", keep=True)
             raise PeerLost(
                 f"rank {env.rank}: a collective failed ({backend_message(exc)}); a peer died, hung longer than "
-                f"--collective-timeout ({cfg.collective_timeout:g} s) or lost its network: that peer's log says "
-                "which; a restart (--max-restarts, requeue) resumes from the newest checkpoint"
+                f"{phases.describe()} in {phases.name} or lost its network: that peer's log says which; a restart "
+                "(--max-restarts, requeue) resumes from the newest checkpoint"
             ) from None
         raise
     finally:
+        watchdog.set()
         # DDP's reducer sits in reference cycles; freed at interpreter exit, its pending gloo work
         # aborts the process ("terminate called without an active exception"). Free it now.
         gc.collect()
@@ -257,13 +268,15 @@ def train(
     val_set: Dataset[Any] | None,
     joined: float,
     tracer: Tracer,
+    phases: Phases,
 ) -> int:
     if env.is_main:
         print_config(cfg)
 
     # Model: weights come from the checkpoint (resume), --init-from, or the seed. Wrap last.
     checkpointer = Checkpointer(cfg, env)
-    loaded: Loaded | None = checkpointer.begin()  # rank 0 chooses; every rank verifies and loads
+    with phases.enter("checkpoint"):
+        loaded: Loaded | None = checkpointer.begin()  # rank 0 chooses; every rank verifies and loads
     state = model_state(loaded.state, str(loaded.path)) if loaded and not loaded.sharded else None
     model: nn.Module = build(cfg.model, cfg.seed, state, str(loaded.path) if loaded else "").to(device)
     rng.seed_all(cfg.seed + env.rank)  # per-rank streams (dropout) from here on
@@ -284,7 +297,8 @@ def train(
     schedule = Schedule(optimizer, schedule_steps)
     progress = Progress(samples=feed.samples)
     checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress, per_rank=feed.stateful)
-    resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
+    with phases.enter("checkpoint"):
+        resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
         checkpointer.last_saved = progress.step
         if progress.sample < 0:  # written before the global cursor: micro-batches per rank
@@ -307,11 +321,15 @@ def train(
     bf16 = cfg.precision == "bf16" and device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     tracer.current_step = lambda: progress.step
-    watchdog = start_watchdog(tracer, cfg.heartbeat, cfg.trace_after) if cfg.heartbeat or cfg.trace_after else None
     loss_fn = nn.CrossEntropyLoss()
     own = Stragglers(env, device, cfg.straggler_factor, cfg.straggler_intervals)  # each rank's own step time
     own.attach(model)
     accum = batching.grad_accum
+
+    def save() -> None:
+        with phases.enter("checkpoint"):
+            checkpointer.save(progress.step, progress.epoch)
+
     exit_code, start_time = EXIT_OK, time.perf_counter()
     gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short
 
@@ -333,6 +351,7 @@ def train(
                 micro = 0
                 optimizer.step()
                 own.step_done()
+                phases.step_done()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
                 progress.sample += batching.global_batch
@@ -341,11 +360,12 @@ def train(
                 schedule.set(progress.step)
 
                 if cfg.save_every and progress.step % cfg.save_every == 0:
-                    checkpointer.save(progress.step, progress.epoch)
+                    save()
                 if stop.agreed(progress.step):  # a signal: checkpoint, then exit "requeue me"
                     if checkpointer.last_saved != progress.step:
-                        checkpointer.save(progress.step, progress.epoch)
-                    checkpointer.close()
+                        save()
+                    with phases.enter("checkpoint"):
+                        checkpointer.close()
                     metrics.write(event="preempted", step=progress.step, signal=stop.received)
                     exit_code = EXIT_PREEMPTED
                     return exit_code
@@ -354,7 +374,8 @@ def train(
                 own.start()
             if feed.epoch_done(progress):
                 if val_set is not None:  # epoch finished: evaluate, move on
-                    result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
+                    with phases.enter("eval"):
+                        result = evaluate(unwrap(model), val_set, env, device, cfg.batch_size)
                     metrics.write(event="eval", step=progress.step, epoch=progress.epoch, **result)
                     if env.is_main:
                         print(
@@ -366,10 +387,12 @@ def train(
 
         stop.finish()
         if checkpointer.last_saved != progress.step:
-            checkpointer.save(progress.step, progress.epoch)
-        checkpointer.close()
-        final = evaluate(unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
-        params = check_replicas_equal(unwrap(model), env)
+            save()
+        with phases.enter("checkpoint"):
+            checkpointer.close()
+        with phases.enter("eval"):
+            final = evaluate(unwrap(model), val_set, env, device, cfg.batch_size) if val_set is not None else {}
+            params = check_replicas_equal(unwrap(model), env)
         if env.is_main:
             summary = " ".join(f"{k} {v:.4f}" for k, v in final.items())
             print(
@@ -386,5 +409,3 @@ def train(
         metrics.close(step=progress.step, exit_code=exit_code)
         stop.settle()
         gc.unfreeze()
-        if watchdog:
-            watchdog.set()

@@ -1,0 +1,38 @@
+"""Test plug-ins that stall outside any collective: a data loader that stops returning, and an
+evaluation that is slow on rank 1 only."""
+
+import os
+import time
+from collections.abc import Callable
+
+from torch.utils.data import Dataset
+
+from ddpjob import plugins
+
+
+class Stalling(Dataset):  # type: ignore[type-arg]
+    """Wraps a dataset; fetching item i sleeps ``seconds`` when ``when(i, fetched so far)``."""
+
+    def __init__(self, inner: Dataset, when: Callable[[int, int], bool], seconds: float) -> None:  # type: ignore[type-arg]
+        self.inner, self.when, self.seconds, self.fetched = inner, when, seconds, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        self.fetched += 1
+        if self.when(i, self.fetched):
+            time.sleep(self.seconds)
+        return self.inner[i]
+
+
+def hanging(after: int = 200):  # type: ignore[no-untyped-def]
+    """The digits training set, whose loader never returns after ``after`` samples (a hung filesystem)."""
+    train, _ = plugins.digits()
+    return Stalling(train, lambda i, fetched: fetched > after, 3600)
+
+
+def slow_eval(seconds: float = 8.0):  # type: ignore[no-untyped-def]
+    """The digits, whose validation pass takes ``seconds`` longer on rank 1 (at its first sample)."""
+    train, val = plugins.digits()
+    return train, Stalling(val, lambda i, fetched: i == 1, seconds) if os.environ.get("RANK") == "1" else val
