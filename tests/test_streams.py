@@ -102,12 +102,13 @@ def test_a_stream_resumed_with_other_shares_is_refused_in_one_line(tmp_path, fir
     assert words in last and "or start anew with --resume never" in last, last
 
 
-def test_an_endless_stream_trains_to_max_steps_and_needs_them(tmp_path):
+def test_an_endless_stream_trains_to_max_steps_and_needs_them_and_a_stream_validates(tmp_path):
     work = work_with_shards(tmp_path)
-    endless = ["train", *JOB, "--data", f"{DATA}(endless=True)", "--epochs", "1"]
+    endless = ["train", *JOB, "--data", f"{DATA}(endless=True, val_stream=True)", "--epochs", "1"]
     ok(ddpjob([*endless, "--max-steps", "60"], work))  # past the 54 steps of one pass over the files
-    events = [(r["event"], r["step"]) for r in records(work / "runs/ddpjob") if r["event"] in ("eval", "final")]
-    assert events == [("final", 60)]  # the epoch never ended
+    events = [r for r in records(work / "runs/ddpjob") if r["event"] in ("eval", "final")]
+    assert [(r["event"], r["step"]) for r in events] == [("final", 60)]  # the epoch never ended
+    assert events[0]["accuracy"] > 0.5  # evaluated on a validation stream (230 samples)
 
     proc = ddpjob(endless, work_with_shards(work / "other"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

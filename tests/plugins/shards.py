@@ -66,13 +66,17 @@ def write_shards(folder: Path, sizes: list[int]) -> None:
         start += size
 
 
-def sharded(folder: str = "shards", endless: bool = False, delay: float = 0.0) -> tuple[ShardedFiles, Any]:
-    """The files under ``folder`` (relative to the working directory), with digits' validation set;
-    ``delay``: seconds of sleep per sample, so a test can act mid-run."""
+def sharded(
+    folder: str = "shards", endless: bool = False, delay: float = 0.0, val_stream: bool = False
+) -> tuple[ShardedFiles, Any]:
+    """The files under ``folder`` (relative to the working directory), with digits' validation set
+    (``val_stream``: the first two files as a stream instead); ``delay``: seconds of sleep per
+    sample, so a test can act mid-run."""
     files = sorted(Path(folder).glob("shard-*.pt"))
     if not files:
         raise FileNotFoundError(f"no shard-*.pt files in {os.path.abspath(folder)}")
-    return ShardedFiles(files, endless, delay=delay), plugins.digits()[1]
+    val = ShardedFiles(files[:2]) if val_stream else plugins.digits()[1]
+    return ShardedFiles(files, endless, delay=delay), val
 
 
 def unranked(folder: str = "shards") -> IterableDataset:
