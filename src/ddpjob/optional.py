@@ -19,6 +19,7 @@ EXTRAS = {
     "tensorboard": "tools",
     "mlflow": "trackers",
     "wandb": "trackers",
+    "torchdata": "streams",
 }  # package -> extra
 
 
