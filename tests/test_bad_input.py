@@ -32,6 +32,8 @@ def make_files(d):
     checkpoint.save({"model": digits_mlp().state_dict()}, d / "cut.pt")
     (d / "cut.pt").write_bytes((d / "cut.pt").read_bytes()[:-50])
     (d / "a_file").write_text("x")
+    (d / "bin_only").mkdir()
+    torch.save(digits_mlp().state_dict(), d / "bin_only/pytorch_model.bin")
 
 
 def make_sharded_sets(d):
@@ -50,6 +52,7 @@ def make_sharded_sets(d):
         index.write_text(json.dumps(found))
     hfweights.write(digits_mlp(hidden=64).state_dict(), d / "other_shapes", "40KB")
     hfweights.write(weights, d / "cut.safetensors")
+    hfweights.write({**weights, "0.weight": weights["0.weight"].to(torch.int32)}, d / "int32.safetensors")
     (d / "cut.safetensors").write_bytes((d / "cut.safetensors").read_bytes()[:-50])
 
 
@@ -141,10 +144,40 @@ CASES = [
     ),
     ("resume from safetensors weights", ["train", "--resume", "hf"], {}, ["--resume hf", "with --init-from"]),
     (
+        "init from integer weights for float parameters",
+        ["train", "--init-from", "int32.safetensors"],
+        {},
+        ["int32.safetensors does not fit the model", "dtype mismatch for 0.weight: checkpoint int32 vs model float32"],
+    ),
+    (
+        "init from a folder of pytorch_model.bin",
+        ["train", "--init-from", "bin_only"],
+        {},
+        ["--init-from bin_only holds pytorch_model.bin: no safetensors weights", "(bin_only/pytorch_model.bin)"],
+    ),
+    (  # checked before the source is read: text.pt is unreadable
         "shard size that is no size",
-        ["ckpt", "convert", "other_model.pt", "out", "--to", "safetensors", "--max-shard-size", "2XB"],
+        ["ckpt", "convert", "text.pt", "out", "--to", "safetensors", "--max-shard-size", "2XB"],
         {},
         ["--max-shard-size '2XB'", "such as 2GB"],
+    ),
+    (
+        "shards into a folder holding an earlier set",
+        ["ckpt", "convert", "other_model.pt", "hf", "--to", "safetensors", "--max-shard-size", "1KB"],
+        {},
+        ["hf is not empty (it holds model-00001-of-00003.safetensors", "choose an empty folder or remove it"],
+    ),
+    (
+        "shards into a file",
+        ["ckpt", "convert", "other_model.pt", "a_file", "--to", "safetensors", "--max-shard-size", "1KB"],
+        {},
+        ["a_file is a file; --max-shard-size writes a folder"],
+    ),
+    (
+        "one safetensors file onto a folder",
+        ["ckpt", "convert", "other_model.pt", "bin_only", "--to", "safetensors"],
+        {},
+        ["bin_only is a folder; --to safetensors writes one file", "--max-shard-size"],
     ),
     (
         "sharded set converted into its own folder",

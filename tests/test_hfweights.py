@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ddpjob import checkpoint, ckpt_tools, hfweights, train
+from ddpjob import checkpoint, checkpointer, ckpt_tools, hfweights, train
+from ddpjob.errors import Retriable, UsageError
 from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, torchrun, wait_until
 
 SHORT = ["--epochs", "1", "--log-every", "1000"]
@@ -161,3 +162,74 @@ def test_dcp_folder_converts_to_a_sharded_set_with_the_same_weights(tmp_path):
     out = ckpt_tools.convert(tmp_path / "dcp", tmp_path / "hf", "safetensors", "", "40KB")
     assert "in 3 shards" in out
     assert_bitwise_equal(hfweights.read(tmp_path / "hf"), weights)
+
+
+def test_bf16_safetensors_initialise_an_fp32_model_in_fp32(work):
+    """On the meta path the model takes the file's tensors as they are: bf16 ones would make a bf16
+    model that the fp32 optimizer and loss then meet. They are cast, rank 0 says so, and it trains."""
+    source = train.build("ddpjob.plugins:digits_mlp", 0, None, "").state_dict()
+    halved = {k: v.to(torch.bfloat16) for k, v in source.items()}
+    hfweights.write(halved, work / "bf16.safetensors")
+    model = train.build("ddpjob.plugins:digits_mlp", 1, hfweights.read(work / "bf16.safetensors"), "bf16")
+    for name, param in model.state_dict().items():
+        assert param.dtype == torch.float32, name
+        assert torch.equal(param, halved[name].float())
+    out = ok(ddpjob(["train", *UNMOVED, "--init-from", "bf16.safetensors", "--run-dir", "dst"], work))
+    assert "bf16.safetensors: 6 of 6 tensors cast to the model's dtype (bfloat16 -> float32)" in out
+    assert_bitwise_equal(final_params(work / "dst"), {k: v.float() for k, v in halved.items()})
+
+
+def test_identity_of_a_set_reads_headers_and_ends_of_shards_not_all_of_them(tmp_path):
+    """Every rank computes it (rank 0 to choose, the others to compare): on a set of hundreds of GB
+    it must not hash the data. It changes with a file's size, header (names, dtypes, shapes) or the
+    ends of its data; a byte in the middle of a tensor is not read."""
+    big = torch.arange(256 << 10, dtype=torch.float32)  # 1 MiB of data, far more than the two samples
+    hfweights.write({"big": big, "small": torch.zeros(4)}, tmp_path / "hf", "2MB")
+    shard = tmp_path / "hf" / hfweights.SINGLE
+    before = hfweights.identity(tmp_path / "hf")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+    assert hfweights.identity(tmp_path / "hf") == before
+    data[-1] ^= 0xFF  # the last bytes of the data (tensor "small")
+    shard.write_bytes(data)
+    assert hfweights.identity(tmp_path / "hf") != before
+    hfweights.write({"big": big.view(torch.int32), "small": torch.zeros(4)}, tmp_path / "other.safetensors")
+    hfweights.write({"big": big, "small": torch.zeros(4)}, tmp_path / "same.safetensors")
+    assert hfweights.identity(tmp_path / "other.safetensors") != hfweights.identity(tmp_path / "same.safetensors")
+
+
+def test_a_shard_still_being_copied_is_waited_for_and_other_files_are_refused(tmp_path):
+    """A rank whose copy of a shard has another size than rank 0's is still receiving it (retriable,
+    after --fs-timeout); one of the same size and other content sees other weights (exit 2). Both
+    messages are about the --init-from path, not --checkpoint-dir."""
+    hfweights.write(train.build("ddpjob.plugins:digits_mlp", 0, None, "").state_dict(), tmp_path / "hf", "40KB")
+    choice = checkpointer.Choice(tmp_path / "hf", False, "run", hfweights.identity(tmp_path / "hf"))
+    shard = tmp_path / "hf/model-00003-of-00003.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(Retriable) as waited:
+        checkpointer.wait_visible(tmp_path / "hf", choice, 1.0, 1)
+    assert "--init-from weights" in str(waited.value) and "still being copied" in str(waited.value)
+    assert f"{tmp_path / 'hf'} is not on storage all nodes share" in str(waited.value)
+    shard.write_bytes(whole[:-1] + bytes([whole[-1] ^ 0xFF]))
+    with pytest.raises(UsageError, match="give every node the same files at that path"):
+        checkpointer.wait_visible(tmp_path / "hf", choice, 1.0, 1)
+    shard.write_bytes(whole)
+    checkpointer.wait_visible(tmp_path / "hf", choice, 1.0, 1)
+
+
+def test_storage_errors_reading_weights_are_retriable_not_bad_input(tmp_path):
+    """An OSError (EIO, ESTALE, a file gone) is the storage's, and may clear: not exit 2."""
+    with pytest.raises(Retriable, match=r"cannot read .*gone.safetensors: .*a restart retries"):
+        hfweights.read(tmp_path / "gone.safetensors")
+
+
+def test_a_stray_manifest_beside_safetensors_weights_is_not_theirs(tmp_path):
+    """ddpjob never seals safetensors: a .sum beside one (another file's) neither checks nor refuses it."""
+    weights = train.build("ddpjob.plugins:digits_mlp", 0, None, "").state_dict()
+    hfweights.write(weights, tmp_path / "w.safetensors")
+    checkpoint.save({"model": weights}, tmp_path / "w.pt")
+    shutil.copyfile(tmp_path / "w.pt.sum", tmp_path / "w.safetensors.sum")
+    assert checkpointer.given(str(tmp_path / "w.safetensors"), "--init-from") == tmp_path / "w.safetensors"
+    assert "integrity:  no manifest" in ckpt_tools.inspect(tmp_path / "w.safetensors")

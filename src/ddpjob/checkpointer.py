@@ -46,11 +46,31 @@ _STEP = re.compile(r"^step-(\d+)(\.pt)?$")  # a file (ddpjob.checkpoint), or a D
 
 
 def format_of(path: Path) -> ModuleType:
-    """The format module that reads and checks path: safetensors weights (a file, or a Hugging Face
-    folder or index), else a folder is DCP and a file the single-file format."""
-    if hfweights.is_weights(path):
+    """The format module that reads path: safetensors weights (a file, or a Hugging Face folder or
+    index), else a folder is DCP and a file the single-file format. A ddpjob checkpoint (named
+    ``step-N``) is never safetensors: only the other two can verify, remove or tell its run."""
+    if step_of(path) is None and hfweights.is_weights(path):
         return hfweights
     return sharded if path.is_dir() else checkpoint
+
+
+def unknown_folder(path: Path) -> str:
+    """Why path, a folder, is none of the forms ddpjob reads ("" if it is one): neither safetensors
+    weights nor a DCP checkpoint (DCP's .metadata, or ddpjob's marker of one)."""
+    if (
+        not path.is_dir()
+        or format_of(path) is not sharded
+        or any((path / n).exists() for n in (".metadata", sharded.MARKER))
+    ):
+        return ""
+    found = sorted(p.name for p in path.iterdir())
+    held = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "") if found else "nothing"
+    torch_file = next((path / n for n in found if n.endswith((".bin", ".pt", ".pth"))), None)
+    fix = f"name the torch file itself ({torch_file})" if torch_file else "name a weights file itself"
+    return (
+        f"{path} holds {held}: no safetensors weights ({hfweights.SINGLE} or {hfweights.INDEX}) and no DCP "
+        f"checkpoint (.metadata); {fix}"
+    )
 
 
 def step_of(path: Path) -> int | None:
@@ -87,6 +107,10 @@ def latest_valid(
 
 
 def has_manifest(path: Path) -> bool:
+    """Whether path has ddpjob's integrity record (safetensors weights never do: ddpjob does not
+    seal them, and a stray one beside them is not theirs)."""
+    if format_of(path) is hfweights:
+        return False
     return (path / sharded.MARKER if path.is_dir() else checkpoint.manifest_path(path)).exists()
 
 
@@ -209,6 +233,8 @@ def given(name: str, flag: str, share: tuple[int, int] | None = FULL) -> Path:
     path = Path(name)
     if not path.exists():
         raise UsageError(f"{flag} {path} does not exist; check the path")
+    if problem := unknown_folder(path):
+        raise UsageError(f"{flag} {problem}")
     if flag == "--resume" and format_of(path) is hfweights:
         raise UsageError(f"--resume {path}: safetensors hold model weights only; start from them with --init-from")
     if checkable(path) and (reason := verify(path, share)):
@@ -216,10 +242,14 @@ def given(name: str, flag: str, share: tuple[int, int] | None = FULL) -> Path:
     return path
 
 
-def wait_visible(path: Path, identity: str, sealed: bool, timeout: float, rank: int) -> None:
-    """Until path is complete and is the checkpoint rank 0 chose (same identity). A file that
-    does not show up in time is a retriable failure; one that differs is bad input (no shared dir)."""
+def wait_visible(path: Path, choice: Choice, timeout: float, rank: int) -> None:
+    """Until path is complete and is what rank 0 chose (the same identity): a checkpoint, or the
+    weights of --init-from. A file that does not show up in time, or is still being copied (another
+    size), is a retriable failure; one that differs is bad input (storage not shared, other copies)."""
     deadline, told = time.monotonic() + timeout, False
+    identity, sealed, in_dir = choice.identity, choice.sealed, choice.in_dir
+    what = "checkpoint" if choice.resume else "--init-from weights"
+    unshared = "--checkpoint-dir is not shared between nodes" if in_dir else f"{path} is not on storage all nodes share"
     while True:
         mine, reason = "", "not visible"
         if path.exists():  # sealed: rank 0 saw its manifest, so this rank waits for it too (NFS lag)
@@ -230,21 +260,30 @@ def wait_visible(path: Path, identity: str, sealed: bool, timeout: float, rank: 
                 reason = "incomplete (a shard is missing)"
         if mine == identity:
             return
+        if mine and format_of(path) is not sharded and _sizes(mine) != _sizes(identity):
+            mine, reason = "", "incomplete (a file is still being copied: its size is not rank 0's)"
         if mine:
+            fix = "put --checkpoint-dir on shared storage" if in_dir else "give every node the same files at that path"
+            pairs = zip(mine.split(";"), identity.split(";"), strict=False)
+            ours, theirs = next(((a, b) for a, b in pairs if a != b), (mine, identity))
             raise UsageError(
-                f"rank {rank} sees another {path} than rank 0 ({mine} vs {identity}); put --checkpoint-dir "
-                "on shared storage or use --load-mode rank0"
+                f"rank {rank} sees another {path} than rank 0 ({ours} vs {theirs}); {fix} or use --load-mode rank0"
             )
         if not told:
             print(f"[ddpjob] rank {rank}: waiting up to {timeout:g} s to see {path} ({reason})", flush=True)
             told = True
         if time.monotonic() >= deadline:
             raise Retriable(
-                f"rank {rank}: checkpoint {path} that rank 0 chose is {reason} here after --fs-timeout "
-                f"{timeout:g} s; shared storage is lagging (a restart retries), or --checkpoint-dir is not "
-                "shared between nodes (then use --load-mode rank0)"
+                f"rank {rank}: {what} {path} that rank 0 chose is {reason} here after --fs-timeout "
+                f"{timeout:g} s; shared storage is lagging (a restart retries), or {unshared} "
+                "(then use --load-mode rank0)"
             )
         time.sleep(0.5)
+
+
+def _sizes(identity: str) -> list[str]:
+    """``name:size`` of each file in an identity made of ``name:size:digest`` parts joined by ``;``."""
+    return [":".join(part.split(":")[:2]) for part in identity.split(";")]
 
 
 class Checkpointer:
@@ -319,7 +358,7 @@ class Checkpointer:
             return Loaded(weights.broadcast(state, self.group), path, choice.resume, identical=True)
         # Every rank sees rank 0's choice, or every rank stops.
         self._together(
-            lambda: wait_visible(path, choice.identity, choice.sealed, self.cfg.fs_timeout, self.env.rank),
+            lambda: wait_visible(path, choice, self.cfg.fs_timeout, self.env.rank),
             not self.env.is_main,
         )
         if together and (reason := self._verify_shares(path, choice.sealed)):

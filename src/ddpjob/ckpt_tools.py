@@ -41,6 +41,8 @@ def load_any(path: Path) -> Any:
     set, or the model weights of a DCP folder."""
     if hfweights.is_weights(path):
         return hfweights.read(path)
+    if problem := checkpointer.unknown_folder(path):
+        raise UsageError(problem)
     if path.is_dir():
         return {"format": "dcp", "model": sharded.read_model(path)}
     return checkpoint.read(path)
@@ -80,10 +82,13 @@ def convert(src: Path, dst: Path, to: str, prefix: str, max_shard_size: str = ""
     max_shard_size a Hugging Face sharded set in the folder dst), with or without prefix."""
     if max_shard_size and to != "safetensors":
         raise UsageError(f"--max-shard-size shards safetensors only; add --to safetensors (not --to {to})")
+    if max_shard_size:
+        hfweights.parse_size(max_shard_size)  # a bad size fails before a large source is read
     inputs = [src, *(hfweights.files_of(src)[1] if hfweights.is_weights(src) else [])]
     folder = dst.resolve() if max_shard_size else None  # shards are written into dst
     if any(p.resolve() == dst.resolve() or p.resolve().parent == folder for p in inputs):
         raise UsageError(f"{dst} is (or holds) the input; write the converted checkpoint elsewhere")
+    check_destination(dst, to, folder is not None)
     weights = model_state(load_any(src), str(src))
     if prefix:
         weights = add_prefix(weights, prefix)
@@ -98,6 +103,23 @@ def convert(src: Path, dst: Path, to: str, prefix: str, max_shard_size: str = ""
         dst.parent.mkdir(parents=True, exist_ok=True)
         checkpoint.save(data, dst)
     return f"wrote {dst}: {len(weights)} tensors as {to}{_prefix_note(prefix)}"
+
+
+def check_destination(dst: Path, to: str, shards: bool) -> None:
+    """UsageError unless dst can take the output: a folder of shards goes into a new or empty folder
+    (an earlier set's index or shards left there would be read instead of, or mixed with, the new
+    ones), a file (plain, ddpjob, one .safetensors) to a path that is no folder."""
+    if shards and dst.is_dir() and (held := sorted(p.name for p in dst.iterdir())):
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        raise UsageError(
+            f"{dst} is not empty (it holds {', '.join(held[:3])}{more}): shards written there would mix with what it "
+            "holds; choose an empty folder or remove it"
+        )
+    if shards and dst.exists() and not dst.is_dir():
+        raise UsageError(f"{dst} is a file; --max-shard-size writes a folder of shards: choose a new folder path")
+    if not shards and to != "dcp" and dst.is_dir():
+        hint = " (or add --max-shard-size to write a folder of shards)" if to == "safetensors" else ""
+        raise UsageError(f"{dst} is a folder; --to {to} writes one file: give a file path{hint}")
 
 
 def _prefix_note(prefix: str) -> str:

@@ -11,6 +11,7 @@ naming (``model-00001-of-00003.safetensors``, ``metadata.total_size``); tensors 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from ddpjob import checksum, optional
-from ddpjob.errors import UsageError, first_line
+from ddpjob.errors import Retriable, UsageError, first_line
 from ddpjob.weights import storage_key
 
 INDEX = "model.safetensors.index.json"
@@ -64,16 +65,35 @@ def weight_map(index: Path) -> dict[str, str]:
     return found
 
 
+SAMPLE = 64 << 10  # bytes of tensor data at each end of a shard that its identity hashes
+
+
 def identity(path: Path) -> str:
-    """Content identity of the weights (index and every shard), to check every rank sees the same."""
+    """What every rank compares to know it sees the files rank 0 chose, cheap however large the set:
+    ``name:size:digest`` of the index (all of it) and of each shard, joined by ``;``. A shard's
+    digest covers its header (every tensor's name, dtype, shape and offsets) and the first and last
+    SAMPLE bytes of its tensor data; a file of another size is one still being copied."""
     index, files = files_of(path)
-    parts = [index, *files] if index else files
-    return ";".join(f"{p.name}:{p.stat().st_size}:{checksum.value(checksum.of_file(p))}" for p in parts)
+    parts = [f"{index.name}:{index.stat().st_size}:{checksum.value(checksum.of_file(index))}"] if index else []
+    return ";".join([*parts, *(f"{f.name}:{f.stat().st_size}:{_layout_digest(f)}" for f in files)])
+
+
+def _layout_digest(file: Path) -> checksum.Value:
+    """Digest of a safetensors file's header (8 bytes of length N, then N bytes of JSON) and of the
+    tensor data's first and last SAMPLE bytes: three short reads, not the whole file."""
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        start = 8 + min(int.from_bytes(f.read(8), "little"), max(size - 8, 0))
+        f.seek(0)
+        head = f.read(start + SAMPLE)
+        f.seek(max(start + SAMPLE, size - SAMPLE))
+        return checksum.digest(head + f.read(SAMPLE))
 
 
 def read(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file or sharded set, memory-mapped, shard by shard."""
-    safe_open = optional.require("safetensors", f"reading {path}").safe_open
+    safetensors = optional.require("safetensors", f"reading {path}")
+    safe_open, safetensors_error = safetensors.safe_open, safetensors.SafetensorError
     index, files = files_of(path)
     wanted = weight_map(index) if index else None
     state: dict[str, torch.Tensor] = {}
@@ -89,9 +109,9 @@ def read(path: Path) -> dict[str, torch.Tensor]:
                         "from another set; re-download or re-convert it"
                     )
                 state.update((name, f.get_tensor(name)) for name in names)
-        except UsageError:
-            raise
-        except Exception as exc:  # safetensors' own errors: truncated file, bad header
+        except OSError as exc:  # the storage failing (EIO, ESTALE), not the file: may clear
+            raise Retriable(f"cannot read {file}: {first_line(exc)}; a restart retries") from None
+        except (safetensors_error, ValueError, TypeError) as exc:  # a truncated file, a bad header, a dtype
             raise UsageError(f"{file} is not a readable safetensors file: {first_line(exc)}") from None
     return state
 

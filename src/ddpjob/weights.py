@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpjob.errors import UsageError
@@ -53,7 +54,8 @@ def model_state(obj: Any, source: str) -> dict[str, torch.Tensor]:
 
 
 def check_compatible(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Raise one UsageError with a line per missing, unexpected or mis-shaped key."""
+    """Raise one UsageError with a line per missing, unexpected or mis-shaped key, or a float
+    tensor for a non-float one (or the reverse)."""
     expected = model.state_dict()
     problems = [f"missing key {k}" for k in expected if k not in state]
     problems += [f"unexpected key {k}" for k in state if k not in expected]
@@ -61,6 +63,11 @@ def check_compatible(model: nn.Module, state: Mapping[str, torch.Tensor], source
         f"shape mismatch for {k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
         for k, v in expected.items()
         if k in state and state[k].shape != v.shape
+    ]
+    problems += [
+        f"dtype mismatch for {k}: checkpoint {_name(state[k].dtype)} vs model {_name(v.dtype)}"
+        for k, v in expected.items()
+        if k in state and state[k].is_floating_point() != v.is_floating_point()
     ]
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
@@ -82,11 +89,30 @@ def with_tied(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, 
     return out
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_model_dtypes(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """state with each tensor whose dtype is not the model's (bf16 weights for an fp32 model) cast
+    to the model's, the others as they are; rank 0 says what was cast, in one line."""
+    expected = model.state_dict()
+    cast = {k: expected[k].dtype for k, v in state.items() if k in expected and v.dtype != expected[k].dtype}
+    if not cast:
+        return dict(state)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        pairs = sorted({f"{_name(state[k].dtype)} -> {_name(d)}" for k, d in cast.items()})
+        print(f"[ddpjob] {source}: {len(cast)} of {len(state)} tensors cast to the model's dtype ({', '.join(pairs)})")
+    return {k: v.to(cast[k]) if k in cast else v for k, v in state.items()}
+
+
 def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> nn.Module:
-    """Load state into model (tied weights may be stored once). A model built on the meta device
-    takes the tensors as they are (``assign=True``: no second copy); any other model copies them in."""
+    """Load state into model (tied weights may be stored once), in the model's dtypes. A model built
+    on the meta device takes the tensors as they are (``assign=True``: no second copy; only those of
+    another dtype are cast, a copy); any other model copies them in."""
     state = with_tied(model, state)
     check_compatible(model, state, source)
+    state = to_model_dtypes(model, state, source)
     on_meta = any(t.is_meta for t in model.state_dict().values())
     model.load_state_dict(state, assign=on_meta)
     return model
@@ -129,7 +155,6 @@ def broadcast(state: Any, group: Any) -> Any:
     straight from rank 0's memory-mapped file into a tensor allocated once on the receiver, so no
     rank holds more than one copy. Tensors that share memory on rank 0 share it everywhere.
     """
-    import torch.distributed as dist
 
     tensors: list[torch.Tensor] = []
     slots: dict[tuple[Any, ...], _Slot] = {}
