@@ -204,3 +204,18 @@ class Fixed(nn.Module):
 
     def forward(self, index: torch.Tensor) -> torch.Tensor:
         return self.logits[index]
+
+
+class PartlyUsed(nn.Module):
+    """Returns its loss from one of two layers: the other's parameters never get a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.used(x), x)
+
+
+def partly_used() -> nn.Module:
+    return PartlyUsed()
