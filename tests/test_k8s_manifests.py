@@ -17,7 +17,7 @@ from kubeflow_operator import operator_env
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_VERSION = "1.33.0"
-VARIANTS = ["overlays/cpu", "overlays/gpu", "kubeflow", "kubeflow-elastic", "jobset"]
+VARIANTS = ["overlays/cpu", "overlays/gpu", "kubeflow", "kubeflow-elastic", "jobset", "overlays/preflight"]
 CRDS = {"PyTorchJob": "kubeflow.org_pytorchjobs.yaml", "JobSet": "jobset.x-k8s.io_jobsets.yaml"}
 # The label each controller puts on every pod of a workload, with the workload's name as its value.
 POD_LABEL = {
@@ -131,11 +131,36 @@ def test_pods_get_no_service_account_token_and_no_host_namespaces(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pods_run_launch_under_an_init_that_reaps_zombies(variant):
     pods = [p for obj in render(variant) for p in pod_specs(obj)]
+    ddpjob = ["ddpjob", "doctor", "--all-nodes"] if variant == "overlays/preflight" else ["ddpjob", "launch"]
     for pod in pods:
         (container,) = pod["containers"]
         command = container["command"]
-        assert command[0] == "dumb-init" and command[-3:] == ["--", "ddpjob", "launch"], command
+        assert command[0] == "dumb-init" and command[command.index("--") + 1 :] == ddpjob, command
         assert "--single-child" in command  # SIGTERM goes to launch, which stops its workers in order
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_know_their_kubernetes_node_for_the_preflight_cordon_line(variant):
+    pods = [p for obj in render(variant) for p in pod_specs(obj)]
+    assert pods
+    for pod in pods:
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_preflight_job_is_the_training_job_checking_nodes_without_retries():
+    (preflight,) = [o for o in render("overlays/preflight") if o["kind"] == "Job"]
+    (training,) = [o for o in render("overlays/cpu") if o["kind"] == "Job"]
+    assert preflight["spec"]["backoffLimit"] == 0  # a named node fails the Job: a retry measures the same
+    for job in (preflight, training):  # all but the command: the same pods, names and rendezvous
+        job["spec"]["template"]["spec"]["containers"][0].pop("command")
+        job["spec"].pop("backoffLimit")
+    assert preflight == training
+
+
+def test_compose_gpu_override_gives_preflight_the_gpu_image_and_devices():
+    services = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())["services"]
+    assert services["preflight"] == services["node"]  # else `--profile preflight` measures the CPU image
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -168,9 +193,14 @@ def test_compose_drops_capabilities_forbids_new_privileges_and_runs_an_init():
 
 
 def launch_dry_run(container: dict, env: dict[str, str], cwd: Path) -> list[str]:
-    """torchrun's arguments as `ddpjob launch --dry-run` derives them in that container's env."""
+    """torchrun's arguments as `ddpjob launch --dry-run` derives them in that container's env (less
+    the entries the kubelet fills in, valueFrom: NODE_NAME, which launch does not read)."""
     args = [*container["command"][container["command"].index("launch") + 1 :], *container.get("args", [])]
-    env = {"PATH": os.environ["PATH"], "HOME": str(cwd)} | {e["name"]: e["value"] for e in container["env"]} | env
+    env = (
+        {"PATH": os.environ["PATH"], "HOME": str(cwd)}
+        | {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        | env
+    )
     launch = [sys.executable, "-m", "ddpjob", "launch", "--dry-run"]
     proc = subprocess.run([*launch, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,6 +15,7 @@ import torch
 from ddpjob import checkpoint, optional
 from ddpjob.errors import UsageError
 from helpers import PY, REPO, clean_env
+from plugins.shards import write_shards
 
 SRC = REPO / "src" / "ddpjob"
 
@@ -46,6 +47,12 @@ def weights_file(tmp_path: Path) -> Path:
     return path
 
 
+def stream_job(tmp_path: Path) -> list[str]:
+    """Training on the stream plug-in, whose sample files it writes first."""
+    write_shards(tmp_path / "shards", [40])
+    return ["train", "--data", "tests.plugins.shards:sharded", "--max-steps", "2"]
+
+
 def safetensors_file(tmp_path: Path) -> Path:
     path = tmp_path / "x.safetensors"
     path.write_bytes(b"\0" * 16)  # never read: the import fails first
@@ -62,6 +69,7 @@ CASES = [
     ("safetensors", lambda t: ["ckpt", "inspect", str(safetensors_file(t))], "reading"),
     ("tensorboard", lambda t: ["train", "--tensorboard", "tb", "--epochs", "1"], "--tensorboard tb needs"),
     ("tensorboard", lambda t: ["launch", "--tensorboard", "tb", "--epochs", "1"], "--tensorboard tb needs"),
+    ("torchdata", stream_job, "an IterableDataset (--data) needs"),
 ]
 
 
@@ -72,7 +80,7 @@ def test_missing_optional_package_is_one_line_naming_the_extra(tmp_path, package
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[0].startswith("ddpjob: error: ") and words in lines[0]
-    assert f"optional package {package}" in lines[0] and "pip install 'ddpjob[tools]'" in lines[0]
+    assert f"optional package {package}" in lines[0] and f"pip install 'ddpjob[{optional.EXTRAS[package]}]'" in lines[0]
     assert not (tmp_path / "w.safetensors").exists() and not (tmp_path / "tb").exists()
 
 
@@ -84,7 +92,7 @@ def test_require_names_the_package_and_extra(monkeypatch):
     assert optional.require("json", "y") is json
 
 
-@pytest.mark.parametrize("extra", ["tools", "trackers"])
+@pytest.mark.parametrize("extra", ["tools", "trackers", "streams"])
 def test_every_extra_package_is_known_to_require(extra):
     text = (REPO / "pyproject.toml").read_text()
     listed = re.search(rf"^{extra} = \[(.*)\]", text, re.M)

@@ -259,6 +259,7 @@ class Checkpointer:
         self.cfg, self.env = cfg, env
         self.distributed = dist.is_initialized() and env.world_size > 1
         self.stateful: dict[str, Any] = {}
+        self.per_rank: dict[str, Any] = {}
         self.run = ""
         self.last_saved = -1
         self.lock_fd: int | None = None
@@ -395,8 +396,10 @@ class Checkpointer:
             return {"model": sharded.read_model(path, verified=True)}
         return checkpoint.read(path, verified=True)
 
-    def attach(self, **stateful: Any) -> None:
-        self.stateful = stateful
+    def attach(self, per_rank: dict[str, Any] | None = None, **stateful: Any) -> None:
+        """``per_rank``: objects whose state differs by rank (a stream's position): each rank's
+        ``state_dict()`` is gathered into a list, given back whole to ``load_rank_states(list)``."""
+        self.stateful, self.per_rank = stateful, per_rank or {}
 
     def restore(self, loaded: Loaded, world_size: int, rank: int) -> dict[str, Any]:
         """Resume: load the optimizer, scheduler and progress, and this rank's RNG (at another world
@@ -413,6 +416,8 @@ class Checkpointer:
         for name, obj in self.stateful.items():
             if name not in in_place and name in resumed:
                 obj.load_state_dict(resumed[name])
+        for name, obj in self.per_rank.items():
+            obj.load_rank_states(resumed.get("ranks", {}).get(name))
         optim.keep_settings(optimizer, settings)
         rng_states = resumed["rng"]
         if len(rng_states) == world_size:
@@ -423,21 +428,24 @@ class Checkpointer:
 
     # ---- save ----------------------------------------------------------------------------------
     def save(self, step: int, epoch: int) -> None:
-        rng_states: list[Any] = [rng.get_state()]
+        mine = (rng.get_state(), {name: obj.state_dict() for name, obj in self.per_rank.items()})
+        gathered: list[Any] = [mine]
         if self.distributed:
-            rng_states = [None] * self.env.world_size
-            dist.all_gather_object(rng_states, rng.get_state(), group=self.group)
+            gathered = [None] * self.env.world_size
+            dist.all_gather_object(gathered, mine, group=self.group)
         about = dict(
             format=checkpoint.FORMAT,
             step=step,
             epoch=epoch,
             run=self.run,
-            rng=rng_states,
+            rng=[state for state, _ in gathered],
             config=self.cfg.to_dict(),
             optimizer_layout=optim.layout(self.stateful["optimizer"]),
             world_size=self.env.world_size,
             torch_version=str(torch.__version__),
         )
+        if self.per_rank:
+            about["ranks"] = {name: [states[name] for _, states in gathered] for name in self.per_rank}
         error = ""
         try:
             self.wait()  # at most one save in flight

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
-from ddpjob import batches
+from ddpjob import batches, streams
 from ddpjob.distenv import DistEnv
 from ddpjob.losses import IGNORE_INDEX, Loss, LossResult, class_scores
 
@@ -77,7 +77,7 @@ def evaluate(
 ) -> dict[str, float]:
     """The metrics above on ``val_set``, the same on every rank."""
     model.eval()
-    shard = Subset(val_set, range(env.rank, len(val_set), env.world_size))  # type: ignore[arg-type]
+    shard = streams.eval_shard(val_set, env)
     totals: dict[str, torch.Tensor] = {}
     for batch in DataLoader(shard, batch_size=batch_size):
         batch = batches.to_device(batch, device)

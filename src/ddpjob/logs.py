@@ -1,7 +1,7 @@
 """Worker log lines that say where they come from, and a heartbeat that shows a stuck rank.
 
 Every line a worker writes to stdout/stderr is prefixed with ``[node N rank R]`` (the heartbeat
-that shows a stuck rank is traces.start_watchdog's).
+that shows a stuck rank is watchdog.start_watchdog's).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ EXTRAS = {
     "tensorboard": "tools",
     "mlflow": "trackers",
     "wandb": "trackers",
+    "torchdata": "streams",
 }  # package -> extra
 
 

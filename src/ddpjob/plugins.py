@@ -2,7 +2,8 @@
 
 A model factory returns an ``nn.Module``. A data factory returns a training ``Dataset`` (items: an
 ``(input, label)`` pair, a dict of tensors, a tensor, or nested mixes; see batches.py and losses.py),
-or a ``(train, validation)`` tuple. Losses, optimizers and schedules load the same way (losses.py, optim.py).
+or a ``(train, validation)`` tuple; either may be an ``IterableDataset`` (a stream: the contract is in
+streams.py). Losses, optimizers and schedules load the same way (losses.py, optim.py).
 
 Built in:
 - ``digits_mlp`` / ``digits``: a small classifier on scikit-learn's bundled handwritten digits
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from ddpjob.errors import UsageError
 
@@ -79,6 +80,8 @@ def build_model(spec: str) -> nn.Module:
 def build_data(spec: str) -> tuple[Dataset[Any], Dataset[Any] | None]:
     data = load_callable(spec)()
     train, val = data if isinstance(data, tuple) else (data, None)
+    if isinstance(train, IterableDataset):  # a stream: its length, if any, is not used (streams.py)
+        return train, val
     if not hasattr(train, "__len__") or len(train) == 0:
         raise UsageError(f"data factory {spec!r} returned an empty or unsized training dataset")
     return train, val

@@ -22,6 +22,25 @@ from ddpjob.errors import EXIT_FAILED
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+def shield_worker(worker_id: int) -> None:
+    """A DataLoader worker's init: the stop signals are its rank's to handle. torchrun signals the
+    rank's whole process group and Slurm every process of the step; torch's workers die of SIGTERM,
+    and the rank would fail on a dead worker instead of checkpointing. So a worker ignores SIGINT
+    and SIGUSR1, and SIGTERM unless its rank sends it (torch ends a worker that way at shutdown)."""
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGTERM:
+            signal.signal(sig, signal.SIG_IGN)
+    rank_process = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken only by the thread below
+
+    def watch() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank_process:
+            pass
+        os._exit(128 + signal.SIGTERM)  # as SIGTERM's default action would
+
+    threading.Thread(target=watch, name="ddpjob-worker-sigterm", daemon=True).start()
+
+
 class StopSignal:
     def __init__(self, check_every: int, device: torch.device) -> None:
         self.check_every = check_every

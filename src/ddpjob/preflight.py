@@ -13,9 +13,12 @@ on node 0), with this module as the worker instead of ``ddpjob train``. Each ran
   it, and then both ends are named.
 
 Every rank gets every rank's figures and reaches the same verdict; rank 0 prints the tables, the
-slow nodes and the line that leaves them out (Slurm ``--exclude``, Kubernetes cordon/affinity).
-Every rank exits 1 when a node or link is named, 0 otherwise. Rendezvous and collectives are
-bounded by --rdzv-timeout and --collective-timeout.
+slow nodes and the line that leaves them out for the detected scheduler (Slurm ``--exclude``,
+Kubernetes cordon/affinity, both as hints elsewhere); then all ranks meet at a barrier, so that
+none exits (and has torchrun stop the others) before the report is out. Every rank exits 1 when a
+node or link is named, 0 otherwise. The rendezvous is bounded by --rdzv-timeout, forming the
+group and its first collective (NCCL's set-up) by --startup-timeout, every later collective by
+--collective-timeout.
 """
 
 from __future__ import annotations
@@ -73,13 +76,18 @@ def check_flags(args: argparse.Namespace) -> None:
 # ---- the agent side: through launch's torchrun path ------------------------------------------
 
 
+def preflight_plan(plan: Plan) -> Plan:
+    """The training plan for the check: its own rendezvous id (a training job may follow on the same
+    endpoint), no restarts (a named node is an answer, not a failure to retry) and a fixed size, the
+    most nodes of an elastic MIN:MAX: a check that started on a subset would pass the rest unseen."""
+    return dataclasses.replace(plan, rdzv_id=f"{plan.rdzv_id}-preflight", max_restarts=0, min_nodes=plan.nnodes)
+
+
 def run_all_nodes(cfg: Config, plan: Plan, argv: Sequence[str]) -> int:
     """This node's part of the check: torchrun with the preflight worker, as ``launch`` runs training."""
     from ddpjob import doctor, launch
 
-    # Its own rendezvous id (a training job may follow on the same endpoint) and no restarts: a
-    # named node is an answer, not a failure to retry.
-    plan = dataclasses.replace(plan, rdzv_id=f"{plan.rdzv_id}-preflight", max_restarts=0)
+    plan = preflight_plan(plan)
     if not doctor.report(doctor.run(cfg, plan, brief=True), brief=True):
         raise UsageError("local check failed (see the fix above); `ddpjob doctor` shows every check")
     worker = ["-m", "ddpjob.preflight"]
@@ -232,6 +240,7 @@ class NodeFigures:
     k8s_name: str
     ranks: list[int]
     matmul: float  # its slowest rank's FLOP/s
+    slowest: tuple[int, int]  # that rank: (rank, local rank, the GPU index on a GPU node)
     best_link: tuple[int, float, float] | None  # (other node, latency s, bandwidth B/s), the fastest
 
 
@@ -262,6 +271,7 @@ def assess(records: Sequence[dict[str, Any]], factor: float, min_link: float) ->
     for index in sorted({r["node"] for r in records}):
         mine = [r for r in records if r["node"] == index]
         leader = min(mine, key=lambda r: r["local_rank"])
+        slowest = min(mine, key=lambda r: r["matmul"])
         own = [(b if a == index else a, lat, bw) for (a, b), (lat, bw) in links.items() if index in (a, b)]
         nodes.append(
             NodeFigures(
@@ -270,7 +280,8 @@ def assess(records: Sequence[dict[str, Any]], factor: float, min_link: float) ->
                 leader["slurm_name"] or leader["host"],
                 leader["k8s_name"] or leader["host"],
                 sorted(r["rank"] for r in mine),
-                min(r["matmul"] for r in mine),
+                slowest["matmul"],
+                (slowest["rank"], slowest["local_rank"]),
                 max(own, key=lambda link: link[2]) if own else None,
             )
         )
@@ -280,7 +291,8 @@ def assess(records: Sequence[dict[str, Any]], factor: float, min_link: float) ->
     for n in nodes:
         if n.matmul < factor * median_flops:
             slow.setdefault(n.index, []).append(
-                f"matmul {n.matmul / 1e9:.1f} GFLOP/s, {n.matmul / median_flops:.2f}x the median "
+                f"matmul {n.matmul / 1e9:.1f} GFLOP/s on rank {n.slowest[0]} (local rank {n.slowest[1]}), "
+                f"{n.matmul / median_flops:.2f}x the median "
                 f"{median_flops / 1e9:.1f} of the ranks"
             )
     with_links = [n for n in nodes if n.best_link]
@@ -363,17 +375,29 @@ def render(v: Verdict, backend: str, scheduler: str) -> list[str]:
         lines.append(f"SLOW node {index} ({node.host}): {'; '.join(why)}")
     lines += [f"SLOW {text}" for text in v.slow_links]
     if v.slow:
-        named = [x for x in v.nodes if x.index in v.slow]
-        slurm = ",".join(x.slurm_name for x in named)
-        lines.append(f"Slurm: leave them out with  sbatch --exclude={slurm} ...")
-        k8s = " ".join(x.k8s_name for x in named)
-        lines.append(
-            f"Kubernetes: kubectl cordon {k8s}  (or a nodeAffinity: kubernetes.io/hostname NotIn [{k8s.replace(' ', ', ')}])"
-        )
-        if scheduler in ("kubernetes", "kubeflow") and any(not x.k8s_name or x.k8s_name == x.host for x in named):
-            lines.append("Kubernetes: those are pod names; set NODE_NAME from spec.nodeName (downward API) for nodes")
+        lines += exclusion([x for x in v.nodes if x.index in v.slow], scheduler)
     if not v.slow and not v.slow_links:
         lines.append(f"ok: no node or link below {v.factor:g}x the median")
+    return lines
+
+
+KUBERNETES = ("kubernetes", "kubeflow")
+
+
+def exclusion(named: Sequence[NodeFigures], scheduler: str) -> list[str]:
+    """The line that leaves the named nodes out, for the scheduler the agent detected; without one
+    (compose, by hand) both, as hints."""
+    lines = []
+    if scheduler not in KUBERNETES:
+        lines.append(f"Slurm: leave them out with  sbatch --exclude={','.join(x.slurm_name for x in named)} ...")
+    if scheduler != "slurm":
+        k8s = [x.k8s_name for x in named]
+        lines.append(
+            f"Kubernetes: kubectl cordon {' '.join(k8s)}  (or a nodeAffinity: kubernetes.io/hostname NotIn "
+            f"[{', '.join(k8s)}])"
+        )
+    if scheduler in KUBERNETES and any(x.k8s_name == x.host for x in named):
+        lines.append("Kubernetes: those are pod names; set NODE_NAME from spec.nodeName (downward API) for nodes")
     return lines
 
 
@@ -381,7 +405,7 @@ def main(argv: Sequence[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from ddpjob import config, distenv, train
+    from ddpjob import config, distenv, train, watchdog
 
     parser = config.make_parser("python -m ddpjob.preflight", "The worker of `ddpjob doctor --all-nodes`.")
     config.add_config_flags(parser)
@@ -392,23 +416,29 @@ def main(argv: Sequence[str]) -> int:
     cfg = config.load(args)
     env = distenv.resolve(os.environ, torch.cuda.device_count())
     device = train.pick_device(cfg, env)
-    train.init_process_group(cfg, env, device)
+    train.init_process_group(cfg, env, device)  # its timeout: --startup-timeout
+    phases = watchdog.Phases(cfg)  # the flag in force, for the message
     try:
+        dist.barrier()  # the first collective: NCCL sets up its communicators, still under --startup-timeout
+        phases.switch("step")  # every later collective: --collective-timeout
         records = measure(device, env.rank, env.node_rank, env.local_rank)
+        verdict = assess(records, args.slow_factor, args.min_link_mbps * 1e6)
+        if env.rank == 0:
+            backend = f"{'nccl' if device.type == 'cuda' else 'gloo'} on {device.type}"
+            for line in render(verdict, backend, args.scheduler):
+                print(PREFIX, line, flush=True)
+        # A rank that exits 1 first would have torchrun stop its node's others, rank 0 among
+        # them, perhaps before the report is out: every rank waits here until it is.
+        dist.barrier()
     except RuntimeError as exc:  # gloo and NCCL time out or lose a peer with a RuntimeError (DistError)
         print(
             f"{PREFIX} rank {env.rank}: a collective failed ({train.backend_message(exc)}); a peer died, hung past "
-            f"--collective-timeout ({cfg.collective_timeout:g} s) or lost its network",
+            f"{phases.describe()} or lost its network",
             file=sys.stderr,
             flush=True,
         )
         return EXIT_FAILED
     dist.destroy_process_group()
-    verdict = assess(records, args.slow_factor, args.min_link_mbps * 1e6)
-    if env.rank == 0:
-        backend = f"{'nccl' if device.type == 'cuda' else 'gloo'} on {device.type}"
-        for line in render(verdict, backend, args.scheduler):
-            print(PREFIX, line, flush=True)
     return verdict.exit_code
 
 

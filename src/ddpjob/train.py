@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from ddpjob import optim, optional, rng
+from ddpjob import optim, optional, rng, streams
 from ddpjob.batches import forward, to_device
-from ddpjob.batching import Batching, EpochSampler
+from ddpjob.batching import Batching
 from ddpjob.checkpointer import Checkpointer, Loaded
 from ddpjob.config import Config, print_config
 from ddpjob.distenv import DistEnv
@@ -289,33 +289,18 @@ def train(
     # Compiled after wrapping, as torch documents for DDP: its DDPOptimizer splits the graph at DDP's buckets.
     runner = cast(nn.Module, torch.compile(model)) if cfg.compile else model
 
-    batching, samples = Batching.of(cfg, env.world_size), len(train_set)  # type: ignore[arg-type]
-    sampler = EpochSampler(samples, batching, env.rank, cfg.seed)
-    loader_rng = torch.Generator()
-    loader = DataLoader(
-        train_set,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        generator=loader_rng,
-        num_workers=cfg.num_workers,
-        persistent_workers=cfg.num_workers > 0,
-        pin_memory=device.type == "cuda",
-    )
-    steps_per_epoch = batching.steps_per_epoch(samples)
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"a global batch of {batching.global_batch} samples (--batch-size {cfg.batch_size} x {batching.grad_accum} "
-            f"micro-batches x {env.world_size} processes) exceeds the {samples} samples of an epoch; lower it"
-        )
-    schedule_steps = steps_per_epoch * cfg.epochs  # the LR schedule ignores --max-steps, so stopping early
+    batching = Batching.of(cfg, env.world_size)
+    feed = streams.feed(train_set, cfg, batching, env, device)  # map-style or IterableDataset (streams.py)
+    schedule_steps = feed.schedule_steps(cfg)  # the LR schedule ignores --max-steps, so stopping early
     total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
 
     optimizer = optim.build_optimizer(cfg, unwrap(model), warn=env.is_main)
     schedule = optim.build_schedule(cfg, optimizer, schedule_steps)
-    progress = Progress(samples=samples)
+    progress = Progress(samples=feed.samples)
     tracker = Tracker.of(cfg, env.is_main)  # its run id is checkpointed: a restart continues the run
-    checkpointer.attach(model=model, optimizer=optimizer, scheduler=schedule, progress=progress, tracker=tracker)
+    checkpointer.attach(
+        model=model, optimizer=optimizer, scheduler=schedule, progress=progress, tracker=tracker, per_rank=feed.stateful
+    )
     with phases.enter("checkpoint"):
         resumed = checkpointer.restore(loaded, env.world_size, env.rank) if loaded and loaded.resume else None
     if resumed:
@@ -355,12 +340,9 @@ def train(
 
     try:
         while progress.epoch < cfg.epochs and progress.step < total_steps:
-            sampler.set_epoch(progress.epoch)
-            sampler.cursor = progress.sample
-            loader_rng.manual_seed(cfg.seed * 100_003 + progress.epoch)
             micro = 0
             own.start()
-            for batch in loader:
+            for batch in feed.epoch(progress):
                 batch = to_device(batch, device)
                 micro += 1
                 sync_now = micro == accum
@@ -369,6 +351,7 @@ def train(
                     with autocast:
                         result = loss(forward(runner, batch), batch)
                     (result.value / accum if accum > 1 else result.value).backward()
+                phases.progress()  # the watchdog's clock; the first one ends start-up
                 if not sync_now:
                     continue
                 micro = 0
@@ -377,7 +360,6 @@ def train(
                     logged["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
                 own.step_done()
-                phases.step_done()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
                 progress.sample += batching.global_batch
@@ -398,7 +380,7 @@ def train(
                 if progress.step >= total_steps:
                     break
                 own.start()
-            if not batching.steps_left(samples, progress.sample):
+            if feed.epoch_done(progress):
                 if val_set is not None:  # epoch finished: evaluate, move on
                     with phases.enter("eval"):
                         scores = evaluate(unwrap(model), val_set, loss, env, device, cfg.batch_size)
@@ -427,6 +409,7 @@ def train(
         exit_code = exit_code_for(exc)
         raise
     finally:
-        metrics.close(step=progress.step, exit_code=exit_code)
+        with phases.enter("eval"):  # the tracker's last records may take --tracker-timeout
+            metrics.close(step=progress.step, exit_code=exit_code)
         stop.settle()
         gc.unfreeze()

@@ -2,6 +2,7 @@
 evaluation that is slow on rank 1 only."""
 
 import os
+import re
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,17 @@ def hanging(after: int = 200):  # type: ignore[no-untyped-def]
     """The digits training set, whose loader never returns after ``after`` samples (a hung filesystem)."""
     train, _ = plugins.digits()
     return Stalling(train, lambda i, fetched: fetched > after, 3600)
+
+
+def spinning(after: int = 200):  # type: ignore[no-untyped-def]
+    """The digits training set, whose loader after ``after`` samples spins in C holding the GIL (a
+    regular expression that backtracks for ever): no Python thread of the rank can run."""
+    train, _ = plugins.digits()
+
+    def spin(i: int, fetched: int) -> bool:
+        return fetched > after and re.match(r"(a+)+$", "a" * 64 + "b") is not None
+
+    return Stalling(train, spin, 0)
 
 
 def slow_eval(seconds: float = 8.0):  # type: ignore[no-untyped-def]

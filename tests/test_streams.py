@@ -1,0 +1,136 @@
+"""IterableDataset training data (streams.py) with real processes and 2 DataLoader workers per rank:
+a stop signal mid-epoch and a resume train the same batches as an uninterrupted run, bitwise; ranks
+whose shares end at different steps stop together; what cannot resume exactly is refused in one line.
+
+The plug-in (tests/plugins/shards.py) streams 8 files of 90-130 digits samples. Batch 16, 2 workers:
+at 1 process an epoch is 54 steps; at 2, rank 0's share makes 25 batches and rank 1's 29, so an
+epoch is 25 steps (the shorter share), and rank 1 drops its last 4.
+"""
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from ddpjob import checkpoint, checkpointer, sharded
+from helpers import assert_bitwise_equal, ddpjob, ok, records, spawn, trained_steps, wait_until
+from plugins.shards import write_shards
+
+pytestmark = pytest.mark.slow
+
+SIZES = [100, 130, 90, 120, 110, 95, 105, 125]
+EPOCH = {1: 54, 2: 25}  # steps per epoch at 1 and 2 processes
+STEPS = {1: 70, 2: 40}  # into the second epoch
+DATA = "tests.plugins.shards:sharded"
+JOB = ["--batch-size", "16", "--num-workers", "2", "--epochs", "2", "--save-every", "0", "--stop-check-every", "1"]
+
+
+def job(world: int, *extra: str) -> list[str]:
+    return ["launch", "--nproc-per-node", str(world), *JOB, "--max-steps", str(STEPS[world]), *extra]
+
+
+def work_with_shards(path: Path) -> Path:
+    write_shards(path / "shards", SIZES)
+    return path
+
+
+def model_state(run_dir: Path) -> dict:
+    newest = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
+    return sharded.read_model(newest) if newest.is_dir() else checkpoint.read(newest)["model"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """(world, extra flags) -> the run dir of an uninterrupted run, made once."""
+    done: dict = {}
+
+    def get(world: int, *extra: str) -> Path:
+        if (world, extra) not in done:
+            work = work_with_shards(tmp_path_factory.mktemp("whole"))
+            ok(ddpjob([*job(world, *extra), "--data", DATA, "--log-every", "1000"], work, timeout=300))
+            done[world, extra] = work / "runs/ddpjob"
+        return done[world, extra]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "world, extra",
+    [(1, ()), (2, ()), (2, ("--checkpoint-format", "dcp", "--grad-accum", "2"))],
+    ids=["1-process", "2-processes", "2-processes-dcp-accum2"],
+)
+def test_a_stream_stopped_mid_epoch_resumes_bitwise_equal_with_workers(tmp_path, uninterrupted, world, extra):
+    whole = uninterrupted(world, *extra)
+    epoch_steps = EPOCH[world] // (2 if "--grad-accum" in extra else 1)
+    first_eval = next(r for r in records(whole) if r["event"] == "eval")
+    assert first_eval["step"] == epoch_steps  # every rank stopped at the shorter share's end, none hung
+
+    work, slow = work_with_shards(tmp_path), [*extra, "--data", f"{DATA}(delay=0.01)", "--log-every", "1"]
+    run_dir = work / "runs/ddpjob"
+    agent = spawn(job(world, *slow), work)
+    wait_until(lambda: trained_steps(run_dir) >= 6, 180, "training to start")
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 75, out[-3000:]
+    (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
+    assert stop["step"] % epoch_steps, stop  # mid-epoch: the workers' stream positions matter
+
+    ok(ddpjob(job(world, *slow), work, timeout=300))
+    assert [r for r in records(run_dir) if r["event"] == "start"][-1]["step"] == stop["step"]
+    assert_bitwise_equal(model_state(whole), model_state(run_dir))
+
+
+@pytest.mark.parametrize(
+    "first, then, words",
+    [
+        (job(2), ["train", *JOB], "the checkpoint holds the stream positions of 2 ranks, this run has 1"),
+        (
+            ["train", *JOB],
+            ["train", *JOB, "--num-workers", "1"],
+            "of 2 DataLoader workers per rank, this run has --num-workers 1",
+        ),
+    ],
+    ids=["world-size", "workers"],
+)
+def test_a_stream_resumed_with_other_shares_is_refused_in_one_line(tmp_path, first, then, words):
+    work = work_with_shards(tmp_path)
+    ok(ddpjob([*first, "--data", DATA, "--max-steps", "5"], work, timeout=300))
+    proc = ddpjob([*then, "--data", DATA, "--max-steps", "10"], work)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert words in last and "or start anew with --resume never" in last, last
+
+
+def test_an_endless_stream_trains_to_max_steps_and_needs_them_and_a_stream_validates(tmp_path):
+    work = work_with_shards(tmp_path)
+    endless = ["train", *JOB, "--data", f"{DATA}(endless=True, val_stream=True)", "--epochs", "1"]
+    ok(ddpjob([*endless, "--max-steps", "60"], work))  # past the 54 steps of one pass over the files
+    events = [r for r in records(work / "runs/ddpjob") if r["event"] in ("eval", "final")]
+    assert [(r["event"], r["step"]) for r in events] == [("final", 60)]  # the epoch never ended
+    assert events[0]["accuracy"] > 0.5  # evaluated on a validation stream (230 samples)
+
+    proc = ddpjob(endless, work_with_shards(work / "other"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "it has no length to make epochs and an LR schedule of; give --max-steps N" in proc.stderr
+
+
+def test_an_iterable_dataset_without_set_rank_is_refused_on_two_processes(tmp_path):
+    work = work_with_shards(tmp_path)
+    proc = ddpjob([*job(2), "--data", "tests.plugins.shards:unranked"], work, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "the IterableDataset Unranked has no set_rank(rank, world_size), so each of the 2 processes" in proc.stderr
+
+
+@pytest.mark.parametrize("data", [f"{DATA}(delay=0.01)", "tests.plugins.recording:digits(delay=0.002)"])
+def test_a_stop_signal_to_the_process_group_leaves_workers_to_their_rank_which_exits_75(tmp_path, data):
+    # torchrun signals each rank's process group, DataLoader workers included; a worker killed by it
+    # failed its rank (exit 1) before the rank could checkpoint. Map-style data and streams alike.
+    work, run_dir = work_with_shards(tmp_path), tmp_path / "runs/ddpjob"
+    agent = spawn([*job(1), "--data", data, "--log-every", "1"], work, TEST_SAMPLES_DIR=str(tmp_path))
+    wait_until(lambda: trained_steps(run_dir) >= 3, 180, "training to start")
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 75, out[-3000:]
+    assert "exited unexpectedly" not in out and "killed by signal" not in out
