@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,11 +93,16 @@ def ok(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout + proc.stderr
 
 
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+def final_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The newest checkpoint file of a run, whole: model, optimizer, progress, what it records."""
     from ddpjob import checkpoint, checkpointer
 
     newest = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
-    return checkpoint.read(newest)["model"]
+    return checkpoint.read(newest)
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return final_checkpoint(run_dir)["model"]
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddpjob.train import build
-from helpers import ddpjob, final_params, lr_by_step, ok, records, torchrun
+from helpers import ddpjob, final_checkpoint, final_params, lr_by_step, ok, records, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +77,20 @@ def expected_lr(name: str, lr: float, step: int, total: int) -> float:
     return lr * (1.0 if s < 0.25 * total else 0.1)  # the plug-in schedule
 
 
+OPTIMIZER_GROUPS = {  # per case below: the state each parameter gets, and each group's settings
+    "sgd": ("momentum_buffer", [{"momentum": 0.9, "nesterov": True, "weight_decay": 0.0, "params": [0, 1]}]),
+    "adam": ("exp_avg", [{"betas": (0.8, 0.99), "weight_decay": 0.0, "params": [0, 1]}]),
+    "adamw": (  # the regressor's linear layer: decay on its weight, none on its bias
+        "exp_avg",
+        [
+            {"betas": (0.9, 0.999), "weight_decay": 0.1, "params": [0]},
+            {"betas": (0.9, 0.999), "weight_decay": 0.0, "params": [1]},
+        ],
+    ),
+    "factory": ("momentum_buffer", [{"momentum": 0.9, "nesterov": False, "params": [0, 1]}]),
+}
+
+
 @pytest.mark.parametrize(
     "name, flags",
     [
@@ -103,6 +117,10 @@ def expected_lr(name: str, lr: float, step: int, total: int) -> float:
 )
 def test_each_optimizer_and_schedule_trains_with_the_lr_of_its_step(work, name, flags):
     ok(ddpjob(["train", *REGRESSION, *flags, "--lr", "0.05", "--epochs", "2", "--log-every", "1"], work))
+    saved = final_checkpoint(work / "runs/ddpjob")["optimizer"]
+    kind, groups = OPTIMIZER_GROUPS[name]
+    assert [{k: g[k] for k in groups[0]} for g in saved["param_groups"]] == groups
+    assert all(kind in state for state in saved["state"].values()) and len(saved["state"]) == 2
     lrs, total = lr_by_step(work / "runs/ddpjob"), 16  # 256 samples / 32 per step x 2 epochs
     assert sorted(lrs) == list(range(1, total + 1))
     for step, lr in lrs.items():
@@ -176,7 +194,9 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run_on_any_job(work, job, w
 def test_compile_matches_eager_within_tolerance_and_saves_plain_keys(work):
     args = [*LM, "--grad-accum", "2", "--batch-size", "16", "--max-steps", "6", "--log-every", "1"]
     ok(torchrun([*args, "--run-dir", "eager"], work))  # 2 ranks: DDP's buckets, no_sync on the first micro-batch
-    ok(torchrun([*args, "--run-dir", "compiled", "--compile"], work, timeout=600))
+    cache = work / "inductor-cache"  # proof that --compile compiled: inductor wrote kernels here
+    ok(torchrun([*args, "--run-dir", "compiled", "--compile"], work, timeout=600, TORCHINDUCTOR_CACHE_DIR=str(cache)))
+    assert any(path.is_file() for path in cache.rglob("*"))
     eager, compiled = final_params(work / "eager"), final_params(work / "compiled")
     assert compiled.keys() == eager.keys()  # no _orig_mod. or module. prefixes
     for key in eager:
@@ -188,5 +208,31 @@ def test_the_tutorial_runs_with_its_own_sgd_settings(work):
     tutorial = ["--model", "examples.tutorial:model", "--data", "examples.tutorial:data"]
     out = ok(torchrun([*tutorial, "--optimizer", "sgd", "--lr", "1e-3", "--epochs", "2", "--log-every", "5"], work))
     assert "done:" in out
+    optimizer = final_checkpoint(work / "runs/ddpjob")["optimizer"]  # SGD's settings, no Adam moments
+    assert all(g["momentum"] == 0 and "betas" not in g for g in optimizer["param_groups"])
+    assert not any("exp_avg" in state for state in optimizer["state"].values())
     lrs = lr_by_step(work / "runs/ddpjob")
     assert max(lrs.values()) <= 1e-3 and lrs[5] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 30)))
+
+
+def test_a_model_with_unused_parameters_names_the_flag_and_trains_with_it(work):
+    args = ["train", "--model", f"{P}:partly_used", "--data", f"{P}:vectors", "--max-steps", "3"]
+    failed = ddpjob(args, work)
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    error = failed.stderr.strip().splitlines()[-1]
+    assert "--find-unused-parameters" in error and "Traceback" not in failed.stderr
+    ok(ddpjob([*args, "--find-unused-parameters", "--run-dir", "with-flag"], work))
+
+
+def test_resuming_with_another_optimizer_setup_is_one_line_naming_both(work):
+    ok(ddpjob(["train", *REGRESSION, "--weight-decay", "0.1", "--max-steps", "2"], work))
+    failed = ddpjob(["train", *REGRESSION, "--optimizer", "sgd", "--max-steps", "4"], work)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    error = failed.stderr.strip().splitlines()[-1]
+    assert "adamw with 2 parameter group(s)" in error and "sgd with 1" in error and "--resume never" in error
+    resumed = ddpjob(["train", *REGRESSION, "--weight-decay", "0.2", "--max-steps", "4"], work)  # same layout
+    ok(resumed)
+    assert [g["weight_decay"] for g in final_checkpoint(work / "runs/ddpjob")["optimizer"]["param_groups"]] == [
+        0.2,
+        0.0,
+    ]

@@ -12,7 +12,9 @@ from ddpjob.distenv import DistEnv
 from ddpjob.errors import UsageError
 from ddpjob.evaluation import evaluate, token_count
 from ddpjob.losses import Loss
+from ddpjob.metrics import Metrics
 from ddpjob.schedule import Schedule
+from ddpjob.train import check_setup
 from plugins import anyjob
 
 Pair = namedtuple("Pair", "a b")
@@ -189,3 +191,176 @@ def test_plot_shows_the_held_out_loss_of_a_job_without_accuracy():
     assert plot.series(records)["held-out loss"] == ([1, 1], [2.5, 2.5])
     records[1]["accuracy"] = 0.5
     assert plot.series(records)["held-out accuracy"] == ([1], [0.5])
+
+
+def raises_one_line(call, *words):
+    with pytest.raises(UsageError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message and all(word in message for word in words), message
+
+
+def test_float_labels_under_default_cross_entropy_are_a_usage_error_not_a_silent_zero_gradient():
+    output = torch.randn(4, 1, requires_grad=True)  # a regression head
+    raises_one_line(lambda: Loss()(output, (None, torch.randn(4, 1))), "float labels", "--loss MODULE:CALLABLE")
+    raises_one_line(lambda: Loss()(torch.randn(4), (None, torch.randn(4))), "float labels", "regression")
+    probabilities = torch.softmax(torch.randn(4, 3), 1)  # soft targets: still cross-entropy
+    assert Loss()(torch.randn(4, 3), (None, probabilities)).kind == "cross_entropy"
+
+
+def test_a_zero_dim_output_on_a_labelled_batch_is_a_prediction_not_the_model_own_loss():
+    output = torch.tensor(0.5, requires_grad=True)  # a regression at batch size 1, squeezed
+    raises_one_line(lambda: Loss()(output, (torch.zeros(1, 3), torch.tensor(0.3))), "float labels", "regression")
+    assert Loss()(output, torch.zeros(1, 3)).kind == "model"  # no labels: the model's own loss
+
+
+def test_token_logits_with_per_token_labels_are_flattened_for_cross_entropy():
+    logits, label = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    result = Loss()(logits, (None, label))
+    assert torch.equal(result.value, nn.functional.cross_entropy(logits.reshape(10, 7), label.reshape(10)))
+    images, pixels = torch.randn(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4))  # torch's classes-at-dim-1 layout
+    assert torch.equal(Loss()(images, (None, pixels)).value, nn.functional.cross_entropy(images, pixels))
+
+
+def test_labels_that_do_not_fit_the_logits_are_named_on_the_first_step_only():
+    raises_one_line(lambda: Loss()(torch.randn(4, 3), (None, torch.zeros(5, dtype=torch.long))), "[5]", "[4, 3]")
+    raises_one_line(lambda: Loss()(torch.randn(2, 3), (None, torch.tensor([1, 3]))), "1..3", "3 classes")
+    loss = Loss()
+    loss(torch.randn(2, 3), (None, torch.tensor([1, -100])))  # padding is not out of range
+    with pytest.raises(IndexError):  # later steps pay no check: torch's own error
+        loss(torch.randn(2, 3), (None, torch.tensor([1, 3])))
+
+
+def test_extras_named_as_logged_fields_are_a_usage_error_on_the_first_step():
+    loss = Loss("tests.plugins.anyjob:named_extra(name='lr')")
+    raises_one_line(lambda: loss(torch.ones(2), (None, torch.zeros(2))), "named lr", "reserved", "val_loss")
+    Loss("tests.plugins.anyjob:named_extra(name='mae')")(torch.ones(2), (None, torch.zeros(2)))
+
+
+def test_data_parallel_gathered_per_gpu_losses_are_averaged():
+    gathered = torch.tensor([1.0, 3.0], requires_grad=True)
+    for output in (gathered, {"loss": gathered}):
+        result = Loss(replicas=2)(output, torch.zeros(4, 2))
+        assert result.kind == "model" and result.value.item() == 2.0
+    raises_one_line(lambda: Loss()({"loss": gathered}, None), "not a scalar")  # one process, no averaging
+
+
+def test_perplexity_only_for_a_model_own_loss_on_per_sequence_labels():
+    env = DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500, "single")
+    data = [{"x": torch.ones(2), "labels": torch.tensor([[1, 2], [3, 4]])}] * 4  # 2-D labels per sample: 3-D batch
+    model = anyjob.ConstantLoss()
+    assert "perplexity" not in evaluate(model, data, Loss(), env, torch.device("cpu"), batch_size=2)
+    seqs = [{"x": torch.ones(2), "labels": torch.tensor([1, 2, 3])}] * 4
+    assert "perplexity" in evaluate(model, seqs, Loss(), env, torch.device("cpu"), batch_size=2)
+    user = Loss("tests.plugins.anyjob:own_loss")
+    assert "perplexity" not in evaluate(model, seqs, user, env, torch.device("cpu"), batch_size=2)
+
+
+def test_classifier_accuracy_counts_each_token_label_once():
+    env = DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500, "single")
+    label = torch.tensor([[0, 1, -100], [2, 2, 2]])
+    logits = nn.functional.one_hot(torch.tensor([[0, 1, 1], [2, 2, 0]]), 3).float()  # 4 of 5 counted are right
+    model = anyjob.Fixed(logits)
+    scores = evaluate(model, list(zip(range(2), label, strict=True)), Loss(), env, torch.device("cpu"), batch_size=2)
+    assert scores["accuracy"] == pytest.approx(4 / 5)
+
+
+def test_the_logged_loss_sums_bf16_losses_in_float32(tmp_path):
+    metrics = Metrics(tmp_path / "m.jsonl", True, 100, 1, 100)
+    for _ in range(50):
+        metrics.step(1, 0, torch.tensor(1.001, dtype=torch.bfloat16), 0.1)
+    assert metrics.loss_sum is not None and metrics.loss_sum.dtype == torch.float32
+    step_loss = torch.tensor(2.0)
+    metrics = Metrics(tmp_path / "n.jsonl", True, 100, 1, 100)
+    metrics.step(1, 0, step_loss, 0.1)
+    metrics.step(2, 0, torch.tensor(3.0), 0.1)
+    assert step_loss.item() == 2.0  # the sum is a copy, never the step's own tensor
+
+
+def test_sparse_embeddings_get_torch_default_optimizer_not_the_fused_one():
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    optimizer = optim.build_optimizer(cfg(optimizer="sgd"), model)
+    assert not optimizer.defaults.get("fused")
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()  # fused SGD: RuntimeError on the sparse gradient
+
+
+def test_dict_batch_keys_forward_does_not_take_are_one_usage_error_naming_keys_and_signature():
+    model = anyjob.tiny_lm()
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "doc_id": ["a", "b"]}
+    tight = nn.Linear(2, 2)  # forward(input): takes no input_ids, no doc_id
+    raises_one_line(
+        lambda: batches.forward(tight, batch), "['doc_id', 'input_ids']", "Linear.forward(input", "**kwargs"
+    )
+    batches.forward(model, batch)  # TinyLM.forward takes **unused: the ids pass
+
+    class Buggy(nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return len(5)  # a TypeError of its own: not the batch's fault
+
+    with pytest.raises(TypeError, match="has no len"):
+        batches.forward(Buggy(), {"input_ids": torch.zeros(1)})
+
+
+def test_compile_on_cpu_without_a_cpp_compiler_is_a_usage_error(tmp_path, monkeypatch):
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    monkeypatch.delenv("CXX", raising=False)
+    env = DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500, "single")
+    c = cfg(compile=True, device="cpu", run_dir=str(tmp_path / "run"))
+    raises_one_line(lambda: check_setup(c, env), "--compile", "C++ compiler", "g++", "CXX")
+    (bare / "g++").write_text("#!/bin/sh\n")
+    (bare / "g++").chmod(0o755)
+    check_setup(c, env)
+
+
+def stepped(c: config.Config) -> torch.optim.Optimizer:
+    """The optimizer of ``c`` for a seeded tiny LM, after one step (so it has state)."""
+    torch.manual_seed(0)
+    model = anyjob.tiny_lm()
+    optimizer = optim.build_optimizer(c, model)
+    batch = anyjob.tokens(samples=2)[0][0]
+    model(**{k: v[None] for k, v in batch.items()})["loss"].backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_resuming_another_optimizer_kind_or_group_layout_is_one_usage_error():
+    adamw = stepped(cfg(weight_decay=0.1))
+    recorded = {"optimizer": adamw.state_dict(), "optimizer_layout": optim.layout(adamw)}
+    sgd = optim.layout(stepped(cfg(optimizer="sgd")))
+    raises_one_line(lambda: optim.check_resume(recorded, sgd, "ck"), "adamw with 2", "sgd with 1", "--optimizer")
+    no_decay = optim.layout(stepped(cfg()))
+    raises_one_line(lambda: optim.check_resume(recorded, no_decay, "ck"), "adamw with 1", "--weight-decay")
+    older = {"optimizer": adamw.state_dict()}  # written before the record: told from its saved groups
+    raises_one_line(lambda: optim.check_resume(older, sgd, "ck"), "adam or adamw with 2", "sgd with 1")
+    optim.check_resume(older, optim.layout(stepped(cfg(weight_decay=0.3))), "ck")  # compatible: resumes
+    optim.check_resume(recorded, optim.layout(adamw), "ck")
+
+
+def test_after_a_resume_the_optimizer_keeps_its_state_and_this_run_settings():
+    saved = stepped(cfg(weight_decay=0.1, betas="0.9,0.999")).state_dict()
+    optimizer = optim.build_optimizer(cfg(weight_decay=0.2, betas="0.8,0.99"), anyjob.tiny_lm())
+    mine = optim.settings(optimizer)
+    optimizer.load_state_dict(saved)
+    optim.keep_settings(optimizer, mine)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.2, 0.0]
+    assert all(g["betas"] == (0.8, 0.99) for g in optimizer.param_groups)
+    first = optimizer.param_groups[0]["params"][0]
+    assert torch.equal(optimizer.state[first]["exp_avg"], saved["state"][0]["exp_avg"])
+
+
+def test_a_schedule_factory_returning_a_negative_factor_is_a_usage_error():
+    with pytest.raises(UsageError, match=r"returned -0\.5 for step 0, not a finite number of 0 or more"):
+        lrs(lambda step, total: -0.5, source="--schedule m:f")
+
+
+def test_built_in_optimizer_flags_given_with_a_factory_are_warned_about_once(capsys):
+    model = anyjob.tiny_lm()
+    optim.build_optimizer(cfg(optimizer="tests.plugins.anyjob:sgd_factory", weight_decay=0.1, betas="0.8,0.9"), model)
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "--betas, --weight-decay" in err and "ignored" in err
+    optim.build_optimizer(cfg(optimizer="tests.plugins.anyjob:sgd_factory", weight_decay=0.1), model, warn=False)
+    optim.build_optimizer(cfg(optimizer="tests.plugins.anyjob:sgd_factory"), model)
+    assert capsys.readouterr().err == ""

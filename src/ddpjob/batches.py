@@ -6,15 +6,22 @@ Leaves that are not tensors (strings, ids) pass through untouched.
 
     batch = to_device(batch, device)   # every tensor leaf, non_blocking (pinned memory on CUDA)
     output = forward(model, batch)     # dict -> model(**batch); tuple/list -> model(batch[0]); tensor -> model(batch)
+
+A dict's keys must be parameters of the model's forward (non-tensor leaves too: ids and text reach
+forward as the collated lists, to use or to take in ``**kwargs``); one that is not is bad input.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from ddpjob.errors import UsageError
+from ddpjob.weights import unwrap
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -34,10 +41,26 @@ def forward(model: nn.Module, batch: Any) -> Any:
     """The model's output for ``batch``: a dict is passed as keyword arguments, a tuple or list gives
     its first element (the input; the rest are labels), a tensor is the input."""
     if isinstance(batch, Mapping):
-        return model(**batch)
+        try:
+            return model(**batch)
+        except TypeError:  # costs nothing until raised; then: were the keys the trouble?
+            check_keywords(model, batch)
+            raise
     if isinstance(batch, tuple | list):
         return model(batch[0])
     return model(batch)
+
+
+def check_keywords(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    """UsageError when the user's forward cannot take the dict batch's keys as keyword arguments."""
+    signature = inspect.signature(unwrap(model).forward)
+    try:
+        signature.bind(**batch)
+    except TypeError as exc:
+        raise UsageError(
+            f"the batch's keys {sorted(batch)} do not fit {type(unwrap(model)).__name__}.forward"
+            f"{signature} ({exc}); drop the extra keys in the dataset or collate_fn, or add **kwargs to forward"
+        ) from None
 
 
 def labels(batch: Any) -> torch.Tensor | None:

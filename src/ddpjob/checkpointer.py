@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpjob import checkpoint, dirlock, fsutil, hfweights, rng, sharded, weights
+from ddpjob import checkpoint, dirlock, fsutil, hfweights, optim, rng, sharded, weights
 from ddpjob.config import Config
 from ddpjob.distenv import DistEnv
 from ddpjob.errors import Retriable, StorageError, UsageError, first_line
@@ -442,19 +442,22 @@ class Checkpointer:
 
     def restore(self, loaded: Loaded, world_size: int, rank: int) -> dict[str, Any]:
         """Resume: load the optimizer, scheduler and progress, and this rank's RNG (at another world
-        size, where no saved stream is this rank's, seed it from seed, step and rank); the rest of the state."""
+        size, where no saved stream is this rank's, seed it from seed, step and rank); the rest of the state.
+        The optimizer must be the checkpoint's kind and layout; its settings stay this run's (optim.py)."""
+        optimizer = self.stateful["optimizer"]
+        mine, settings = optim.layout(optimizer), optim.settings(optimizer)
         if loaded.sharded:  # DCP: read into the live model and optimizer, at any world size
-            resumed = sharded.load(
-                loaded.path, self.stateful["model"], self.stateful["optimizer"], self.group, verified=True
-            )
+            resumed = sharded.load(loaded.path, self.stateful["model"], optimizer, self.group, verified=True)
         else:
             resumed = loaded.state
+        optim.check_resume(resumed, mine, str(loaded.path))  # a file's before its optimizer state is loaded
         in_place = {"model", "optimizer"} if loaded.sharded else {"model"}
         for name, obj in self.stateful.items():
             if name not in in_place and name in resumed:
                 obj.load_state_dict(resumed[name])
         for name, obj in self.per_rank.items():
             obj.load_rank_states(resumed.get("ranks", {}).get(name))
+        optim.keep_settings(optimizer, settings)
         rng_states = resumed["rng"]
         if len(rng_states) == world_size:
             rng.set_state(rng_states[rank])
@@ -476,6 +479,7 @@ class Checkpointer:
             run=self.run,
             rng=[state for state, _ in gathered],
             config=self.cfg.to_dict(),
+            optimizer_layout=optim.layout(self.stateful["optimizer"]),
             world_size=self.env.world_size,
             torch_version=str(torch.__version__),
         )

@@ -19,6 +19,8 @@ from ddpjob import optional
 from ddpjob.errors import UsageError
 
 ENV_PREFIX = "DDPJOB_"
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd")  # built in (optim.py); anything else is a MODULE:CALLABLE factory
+SCHEDULE_NAMES = ("cosine", "linear", "constant")  # built in (schedule.py)
 
 
 def _opt(default: Any, help: str, choices: Sequence[str] = ()) -> Any:
@@ -62,6 +64,9 @@ class Config:
     warmup_steps: int = _opt(0, "steps of linear LR warm-up before a built-in schedule")
     min_lr: float = _opt(0.0, "the LR cosine and linear schedules end at")
     grad_clip: float = _opt(0.0, "clip the gradients' total norm to MAX_NORM, logging grad_norm (0: off)")
+    find_unused_parameters: bool = _opt(
+        False, "ddp: let the model leave parameters out of a step's loss (DDP then searches the graph every step)"
+    )
     compile: bool = _opt(False, "torch.compile the DDP-wrapped model (DDPOptimizer splits graphs at its buckets)")
     seed: int = _opt(0, "seed for weights, data order and every RNG")
     strategy: str = _opt(
@@ -296,6 +301,11 @@ def load(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> 
     return cfg
 
 
+def is_spec(spec: str) -> bool:
+    """Whether ``spec`` looks like a plug-in, MODULE:CALLABLE[(k=v)] (plugins.py loads it)."""
+    return ":" in spec and not spec.startswith(":") and not spec.endswith(":")
+
+
 def validate(cfg: Config) -> None:
     positive = (
         "epochs",
@@ -327,13 +337,13 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
     parse_betas(cfg.betas)
-    for name, built_in in (("optimizer", ("adamw", "adam", "sgd")), ("schedule", ("cosine", "linear", "constant"))):
+    for name, built_in in (("optimizer", OPTIMIZER_NAMES), ("schedule", SCHEDULE_NAMES)):
         spec = getattr(cfg, name)
-        if spec not in built_in and (":" not in spec or spec.startswith(":") or spec.endswith(":")):
+        if spec not in built_in and not is_spec(spec):
             raise UsageError(f"{flag(name)} {spec!r} is not one of {', '.join(built_in)} or a package.module:callable")
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum <= 0):
         raise UsageError("--nesterov needs --optimizer sgd and --momentum above 0")
-    if cfg.loss != "auto" and (":" not in cfg.loss or cfg.loss.startswith(":") or cfg.loss.endswith(":")):
+    if cfg.loss != "auto" and not is_spec(cfg.loss):
         raise UsageError(f"--loss {cfg.loss!r} must be auto or look like package.module:callable")
     for name in (
         "lr",
@@ -359,7 +369,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--node-rank {cfg.node_rank} is outside 0..{max(max_nodes, 1) - 1}")
     for name in ("model", "data"):
         spec = getattr(cfg, name)
-        if ":" not in spec or spec.startswith(":") or spec.endswith(":"):
+        if not is_spec(spec):
             raise UsageError(f"{flag(name)} {spec!r} must look like package.module:callable")
     if cfg.checkpoint_format == "dcp" and cfg.load_mode == "rank0":
         raise UsageError("--checkpoint-format dcp is read by every rank; use --load-mode mmap")

@@ -2,8 +2,8 @@
 
 - every job: ``val_loss``, the loss of ``--loss`` averaged over the set;
 - classifiers (the cross-entropy path): ``accuracy``;
-- token models (a dict batch with integer ``"labels"`` per sequence, which the model shifts as Hugging
-  Face's do): the loss weighted by the tokens predicted (labels[..., 1:] != -100),
+- token models (the model's own loss on a dict batch with integer ``"labels"`` of shape [batch,
+  sequence], which the model shifts as Hugging Face's do): the loss weighted by the tokens predicted (labels[..., 1:] != -100),
   ``perplexity`` (exp of it) and ``bits_per_token`` (it / ln 2);
 - a user loss's extra metrics, averaged the same way.
 
@@ -23,34 +23,37 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpjob import batches, streams
 from ddpjob.distenv import DistEnv
-from ddpjob.losses import Loss, LossResult, logits_of
-
-IGNORE_INDEX = -100  # labels that no loss counts (padding), as torch's cross_entropy and Hugging Face
+from ddpjob.losses import IGNORE_INDEX, Loss, LossResult, class_scores
 
 
 def token_count(batch: Any) -> torch.Tensor | None:
     """Tokens a token model's loss averages over: of integer ``labels`` per sequence, those that are
     not -100, the first of each left out (the model shifts: it predicts nothing); None for other batches."""
     label = batch.get("labels") if isinstance(batch, Mapping) else None
-    if isinstance(label, torch.Tensor) and label.dim() >= 2 and not label.is_floating_point():
+    if isinstance(label, torch.Tensor) and label.dim() == 2 and not label.is_floating_point():
         return (label[..., 1:] != IGNORE_INDEX).sum()
     return None
 
 
 def weighed(result: LossResult, output: Any, batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """One batch's sums: the weight (tokens or samples), the weighted loss and extras, and for
-    classifiers the correct predictions."""
-    tokens = token_count(batch)
+    """One batch's sums: the weight (a token model's counted tokens, a classifier's counted labels, else
+    samples), the weighted loss and extras, and for classifiers the correct predictions."""
+    tokens = token_count(batch) if result.kind == "model" else None  # a user loss's own weighting is unknown
     weight = tokens.double() if tokens is not None else torch.tensor(float(batches.size(batch)), device=device)
-    sums = {"weight": weight, "val_loss": result.value.detach().double() * weight}
-    for name, value in result.extras.items():
-        sums[name] = torch.as_tensor(value, device=device).double().reshape(()) * weight
+    sums: dict[str, torch.Tensor] = {}
     if tokens is not None:
         sums["tokens"] = weight
-    if result.kind == "cross_entropy":
-        label = batches.labels(batch)
-        assert label is not None
-        sums["correct"] = (logits_of(output).argmax(-1) == label).sum().double()
+    label = batches.labels(batch)
+    if result.kind == "cross_entropy" and label is not None:
+        logits, label = class_scores(output, label)
+        if not label.is_floating_point():  # class probabilities have no one right answer
+            counted = label != IGNORE_INDEX  # as cross_entropy averages: over the labels it counts
+            weight = counted.sum().double()
+            hits = (logits.argmax(1 if logits.dim() > 1 else 0) == label) & counted
+            sums["correct"] = hits.sum().double()
+    sums |= {"weight": weight, "val_loss": result.value.detach().double() * weight}
+    for name, value in result.extras.items():
+        sums[name] = torch.as_tensor(value, device=device).double().reshape(()) * weight
     return sums
 
 

@@ -95,7 +95,7 @@ class Metrics:
         if not self.enabled:
             return
         if self.loss_sum is None:
-            self.loss_sum = loss.detach().clone()
+            self.loss_sum = loss.detach().to(torch.float32, copy=True)  # summed in bf16 it would lose its low bits
         else:
             self.loss_sum.add_(loss.detach())  # in place: no new tensor per step
         for name, value in (averaged or {}).items():

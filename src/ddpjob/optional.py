@@ -1,5 +1,6 @@
 """Optional dependencies: imported where they are used, through ``require``.
 
+Also the C++ compiler that torch.compile's CPU code needs (``require_cpu_compiler``).
 A missing (or broken) one is one line naming the extra that installs it, exit code 2, instead of
 a ModuleNotFoundError traceback. Every package of an extra in pyproject.toml is listed in EXTRAS
 (a test checks it), and no other module imports them directly (a test checks that too).
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import shutil
 from types import ModuleType
 
 from ddpjob.errors import UsageError, first_line
@@ -46,4 +49,18 @@ def _missing(package: str, purpose: str, reason: str) -> UsageError:
     return UsageError(
         f"{purpose} needs the optional package {package} ({reason}); "
         f"install it with: pip install 'ddpjob[{EXTRAS.get(package, 'tools')}]'"
+    )
+
+
+def require_cpu_compiler(purpose: str) -> str:
+    """The C++ compiler torch inductor builds CPU kernels with: $CXX when set, else the first of
+    g++, c++, clang++, cc, clang on PATH; UsageError when there is none."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++", "cc", "clang"]
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise UsageError(
+        f"{purpose} on CPU needs a C++ compiler and none of {', '.join(names)} is on PATH; install one "
+        "(apt-get install g++), set CXX, or drop --compile"
     )

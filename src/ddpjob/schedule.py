@@ -22,8 +22,6 @@ import torch
 
 from ddpjob.errors import UsageError
 
-BUILT_IN = ("cosine", "linear", "constant")
-
 
 class Schedule:
     """Each group's LR from its base LR (the LR it was built with) and the step."""
@@ -52,10 +50,10 @@ class Schedule:
     def lr_at(self, base: float, step: int) -> float:
         if callable(self.kind):
             factor = self.kind(step, self.total_steps)
-            if not isinstance(factor, int | float) or not math.isfinite(factor):
+            if not isinstance(factor, int | float) or not math.isfinite(factor) or factor < 0:
                 raise UsageError(
-                    f"{self.source} returned {factor!r} for step {step}, not a finite number; return the factor "
-                    "of the base LR as a float"
+                    f"{self.source} returned {factor!r} for step {step}, not a finite number of 0 or more; return "
+                    "the factor of the base LR as a float"
                 )
             return base * float(factor)
         if step < self.warmup:

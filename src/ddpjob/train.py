@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from ddpjob import optim, rng, streams
+from ddpjob import optim, optional, rng, streams
 from ddpjob.batches import forward, to_device
 from ddpjob.batching import Batching
 from ddpjob.checkpointer import Checkpointer, Loaded
@@ -88,6 +88,8 @@ def check_setup(cfg: Config, env: DistEnv) -> None:
         )
     if cfg.precision == "bf16" and cfg.device == "cpu":
         raise UsageError("--precision bf16 needs CUDA; use --precision fp32 on CPU")
+    if cfg.compile and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        optional.require_cpu_compiler("--compile")
     ckpt_dir = cfg.checkpoint_path
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -190,6 +192,7 @@ def report_resize(
         )
 
 
+UNUSED_PARAMETERS = "Expected to have finished reduction in the prior iteration"  # DDP's words
 _PEER_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|pair closure|timed out", re.IGNORECASE)
 
 
@@ -210,7 +213,7 @@ def run(cfg: Config, env: DistEnv) -> int:
         exit_with_parent()  # an agent killed with SIGKILL must not leave its workers training on
     device = pick_device(cfg, env)
     load_callable(cfg.model)  # import errors surface here, before any network wait
-    loss = Loss(cfg.loss)
+    loss = Loss(cfg.loss, replicas=torch.cuda.device_count() if cfg.strategy == "dp" else 1)
     optim.check_plugins(cfg)
     train_set, val_set = build_data(cfg.data)
     tracer, phases = Tracer(cfg.run_dir, env.rank), Phases(cfg)
@@ -227,6 +230,11 @@ def run(cfg: Config, env: DistEnv) -> int:
     try:
         return train(cfg, env, device, stop, train_set, val_set, loss, joined, tracer, phases)
     except RuntimeError as exc:
+        if UNUSED_PARAMETERS in str(exc):
+            raise UsageError(
+                "DDP found parameters that got no gradient in a step (the model leaves some out of the loss); "
+                "pass --find-unused-parameters, or remove or freeze (requires_grad=False) the unused ones"
+            ) from None
         if dist.is_initialized() and is_peer_failure(exc):
             tracer.dump(f"a collective failed: {backend_message(exc)}", keep=True)
             raise PeerLost(
@@ -270,7 +278,12 @@ def train(
         identical = loaded is not None and loaded.identical
         if identical and loaded and env.is_main and env.is_distributed:
             print(f"[ddpjob] every rank holds the weights of {loaded.path.name}: DDP start-up broadcast skipped")
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
+        model = DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            init_sync=not identical,
+            find_unused_parameters=cfg.find_unused_parameters,
+        )
     elif cfg.strategy == "dp":
         model = nn.DataParallel(model)
     # Compiled after wrapping, as torch documents for DDP: its DDPOptimizer splits the graph at DDP's buckets.
@@ -281,7 +294,7 @@ def train(
     schedule_steps = feed.schedule_steps(cfg)  # the LR schedule ignores --max-steps, so stopping early
     total_steps = min(schedule_steps, cfg.max_steps or schedule_steps)  # and resuming changes nothing
 
-    optimizer = optim.build_optimizer(cfg, unwrap(model))
+    optimizer = optim.build_optimizer(cfg, unwrap(model), warn=env.is_main)
     schedule = optim.build_schedule(cfg, optimizer, schedule_steps)
     progress = Progress(samples=feed.samples)
     tracker = Tracker.of(cfg, env.is_main)  # its run id is checkpointed: a restart continues the run

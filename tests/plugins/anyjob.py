@@ -172,3 +172,50 @@ def step_down(step: int, total_steps: int, at: float = 0.5) -> float:
 def plain_number(output: torch.Tensor, batch: Any) -> float:
     """Returns a Python number: nothing for backward() to run on."""
     return float((output - batch[1]).abs().mean())
+
+
+def named_extra(output: torch.Tensor, batch: Any, name: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A loss with one extra metric called ``name`` (a reserved one, on purpose)."""
+    return (output - batch[1]).pow(2).mean(), {name: 1.0}
+
+
+def own_loss(output: Any, batch: Any) -> torch.Tensor:
+    """A user loss that passes the model's own loss on."""
+    return output["loss"]
+
+
+class ConstantLoss(nn.Module):
+    """Returns {"loss"} from a dict batch with labels, whatever their shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.w * 2.0}
+
+
+class Fixed(nn.Module):
+    """Returns the given logits, row by row of the batch's indices."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("logits", logits)
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.logits[index]
+
+
+class PartlyUsed(nn.Module):
+    """Returns its loss from one of two layers: the other's parameters never get a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.used(x), x)
+
+
+def partly_used() -> nn.Module:
+    return PartlyUsed()
