@@ -64,6 +64,15 @@ class State(NamedTuple):
         return f"{self.flag} ({self.limit:g} s)"
 
 
+def arm_c_timer(seconds: float) -> None:
+    """faulthandler's timer: in ``seconds``, dump every thread's stack to the process's own stderr
+    (fd 2, whatever wraps sys.stderr) and exit 1, unless re-armed first. Best effort: a process
+    without a usable stderr goes without this backstop."""
+    if sys.__stderr__ is not None:
+        with contextlib.suppress(OSError, ValueError):
+            faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+
+
 class Phases:
     """The phase this rank is in, its limit, and when it last made progress."""
 
@@ -95,7 +104,7 @@ class Phases:
     def switch(self, name: str) -> None:
         self.state = State(name, *self.limits[name], time.monotonic())
         if self.watched:  # from this thread: the watchdog's may not run again (see start_watchdog)
-            faulthandler.dump_traceback_later(self.state.limit + 3 * grace(self.state.limit), exit=True)
+            arm_c_timer(self.state.limit + 3 * grace(self.state.limit))
         if dist.is_initialized():
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.state.limit))
 
@@ -126,7 +135,7 @@ def start_watchdog(phases: Phases, tracer: Tracer, heartbeat: float, trace_after
         while not stop.wait(tick):
             now, state, step = time.monotonic(), phases.state, tracer.current_step()
             idle, deadline = now - state.since, state.limit + grace(state.limit)
-            faulthandler.dump_traceback_later(max(deadline - idle, 0) + 2 * grace(state.limit), exit=True)
+            arm_c_timer(max(deadline - idle, 0) + 2 * grace(state.limit))
             if heartbeat and now - last_beat >= heartbeat:
                 last_beat = now
                 print(f"[ddpjob] heartbeat: step {step}, {state.name}, no progress for {idle:.0f}s", flush=True)
