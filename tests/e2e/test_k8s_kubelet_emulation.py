@@ -4,6 +4,7 @@ JOB_COMPLETION_INDEX, hostname <job>-<index>, DNS name <job>-<index>.<service>, 
 command (dumb-init as PID 1), args, user, capabilities, read-only root, /dev/shm and the checkpoint
 volume. No API server exists here, so this emulates the kubelet; the job must complete."""
 
+import socket
 import subprocess
 from collections.abc import Sequence
 
@@ -29,11 +30,13 @@ def pod_run_args(
     (container,) = pod["containers"]
     env = {}
     for item in container["env"]:
+        field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
         if "value" in item:
             env[item["name"]] = item["value"]
+        elif field == "spec.nodeName":  # every emulated pod runs on this host, as on one node
+            env[item["name"]] = socket.gethostname()
         else:  # fieldRef: metadata.labels['...']
-            key = item["valueFrom"]["fieldRef"]["fieldPath"].split("'")[1]
-            env[item["name"]] = labels[key]
+            env[item["name"]] = labels[field.split("'")[1]]
     env |= added_env
     sc, psc = container["securityContext"], pod["securityContext"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
