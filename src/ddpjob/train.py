@@ -218,16 +218,16 @@ def run(cfg: Config, env: DistEnv) -> int:
     train_set, val_set = build_data(cfg.data)
     tracer, phases = Tracer(cfg.run_dir, env.rank), Phases(cfg)
     watchdog = start_watchdog(phases, tracer, cfg.heartbeat, cfg.trace_after)
-    if cfg.strategy == "ddp":
-        if device.type == "cuda":
-            enable_nccl_dumps(cfg.run_dir, env.rank)
-        init_process_group(cfg, env, device)
-    joined = time.time()  # the process group is up (after the rendezvous, on a restart)
-    # From here a stop signal is kept, not fatal: loading a checkpoint (waiting for the dir's lock,
-    # for shared storage, verifying) can take minutes, and a stop then still ends in a checkpoint.
-    # (Before, a blocking rendezvous would hold a handled signal until it returned.)
-    stop = StopSignal(cfg.stop_check_every, device)
-    try:
+    try:  # from here every exit stops the watchdog (a failed start-up too: it would end the process)
+        if cfg.strategy == "ddp":
+            if device.type == "cuda":
+                enable_nccl_dumps(cfg.run_dir, env.rank)
+            init_process_group(cfg, env, device)
+        joined = time.time()  # the process group is up (after the rendezvous, on a restart)
+        # From here a stop signal is kept, not fatal: loading a checkpoint (waiting for the dir's lock,
+        # for shared storage, verifying) can take minutes, and a stop then still ends in a checkpoint.
+        # (Before, a blocking rendezvous would hold a handled signal until it returned.)
+        stop = StopSignal(cfg.stop_check_every, device)
         return train(cfg, env, device, stop, train_set, val_set, loss, joined, tracer, phases)
     except RuntimeError as exc:
         if UNUSED_PARAMETERS in str(exc):
