@@ -34,8 +34,10 @@ lint: setup
 	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/shellcheck slurm/*.sbatch docker/*.sh tests/e2e/*.sh tests/gpu/*.sh bench/*.sh .ci/run
 
+# Two at a time, then the timing-sensitive files (the `serial` mark, tests/conftest.py) alone.
 unit: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 -m 'not e2e and not serial'
+	$(BIN)/pytest -q -m serial
 
 test: lint unit
 

@@ -152,7 +152,8 @@ def test_wandb_offline_keeps_one_run_id_with_monotonic_steps_across_sigterm_and_
 def test_default_mlflow_store_is_sqlite_in_the_run_dir(work):
     import mlflow
 
-    ok(ddpjob(["train", "--device", "cpu", "--max-steps", "12", "--log-every", "4", "--tracker", "mlflow"], work))
+    args = ["--max-steps", "12", "--log-every", "4", "--tracker", "mlflow", "--tracker-every", "0"]
+    ok(ddpjob(["train", "--device", "cpu", *args], work))
     store = work / "runs/ddpjob/mlflow.db"
     assert store.is_file()
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
@@ -235,6 +236,7 @@ def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work):
     import mlflow
 
     args = ["train", "--device", "cpu", "--log-every", "4", "--save-every", "12", "--tracker", "mlflow"]
+    args += ["--tracker-every", "0"]
     ok(ddpjob([*args, "--max-steps", "24"], work))
     for path in (work / "runs/ddpjob/checkpoints").glob("step-24*"):
         path.unlink()
@@ -245,3 +247,55 @@ def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work):
     (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == [4, 8, 12, 16, 20, 24, 28, 32]
+
+
+def test_a_local_store_is_imported_and_its_run_started_before_the_first_step(tmp_path):
+    """Importing mlflow and building its SQLite store hold the GIL for seconds: done in start(), not
+    in the thread while rank 0 trains; bench/loop.py measured that cost at 70% of the first steps."""
+    tracker = Tracker("mlflow", True, str(tmp_path), params={"lr": 0.1})
+    tracker.start()
+    try:
+        assert tracker.run_id, "start() returned before the run was started"
+        assert json.loads((tmp_path / "tracker.json").read_text())["run_id"] == tracker.run_id
+    finally:
+        tracker.close(0)
+
+
+def test_resume_never_starts_a_new_tracker_run(work):
+    import mlflow
+
+    args = ["train", "--device", "cpu", "--max-steps", "8", "--log-every", "4", "--tracker", "mlflow"]
+    args += ["--tracker-every", "0"]
+    ok(ddpjob(args, work))
+    ok(ddpjob([*args, "--resume", "never"], work))
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+    assert len(runs) == 2
+    for run in runs:  # each run holds its own steps: the second one's were not skipped as sent
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4, 8]
+
+
+@pytest.mark.parametrize("content", ['{"kind": "mlflow", "run_id": 3, "logged": {"train": "x"}}', "{not json", "[]"])
+def test_an_unreadable_tracker_json_warns_and_a_new_run_starts(tmp_path, capsys, content):
+    (tmp_path / "tracker.json").write_text(content)
+    tracker = Tracker("mlflow", True, str(tmp_path))
+    tracker.start()
+    tracker.close(0)
+    assert tracker.run_id and not tracker.dead
+    assert "tracker.json is unreadable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("every, sent", [(30.0, [50]), (0.0, list(range(1, 51)))])
+def test_records_faster_than_tracker_every_are_thinned_to_the_newest_per_kind(tmp_path, every, sent):
+    import mlflow
+
+    tracker = Tracker("mlflow", True, str(tmp_path), every=every)
+    tracker.start()
+    for step in range(1, 51):  # far faster than one a second: one batch at close
+        tracker.log("train", step, {"train/loss": float(step)})
+    tracker.log("eval", 50, {"eval/val_loss": 0.5})
+    tracker.close(0)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "train/loss")] == sent
+    assert [m.value for m in client.get_metric_history(tracker.run_id, "train/loss")][-1] == 50.0
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "eval/val_loss")] == [50]

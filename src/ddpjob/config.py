@@ -132,6 +132,11 @@ class Config:
         "", "MLflow experiment or W&B project (default: $MLFLOW_EXPERIMENT_NAME or $WANDB_PROJECT, else ddpjob)"
     )
     tracker_run_name: str = _opt("", "the tracker run's name (default: RUN_DIR's name)")
+    tracker_every: float = _opt(
+        1.0,
+        "seconds: the tracker gets at most one record per event (the newest) this often; metrics.jsonl keeps "
+        "every record; 0: all",
+    )
     tracker_timeout: float = _opt(
         30.0, "seconds the job waits at its end for the tracker to send what is queued (a dead server never hangs it)"
     )
@@ -330,10 +335,12 @@ def validate(cfg: Config) -> None:
         "nproc_per_node",
         "heartbeat",
         "trace_after",
+        "momentum",
+        "warmup_steps",
+        "min_lr",
+        "grad_clip",
+        "tracker_every",
     ):
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
-    for name in ("momentum", "warmup_steps", "min_lr", "grad_clip"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}")
     parse_betas(cfg.betas)
