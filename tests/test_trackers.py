@@ -6,7 +6,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -162,15 +164,44 @@ def test_default_mlflow_store_is_sqlite_in_the_run_dir(work):
     assert run.data.params["max_steps"] == "12"
 
 
-def test_unreachable_tracker_server_warns_and_training_finishes(work):
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    started = time.monotonic()
-    args = ["--max-steps", "12", "--tracker", "mlflow", "--tracker-uri", dead, "--tracker-timeout", "2"]
-    proc = ddpjob(["train", "--device", "cpu", *args], work, timeout=240)
+@contextlib.contextmanager
+def black_hole() -> Iterator[str]:
+    """A server that accepts connections and never answers: its URL."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for conn in [*held, listener]:
+            conn.close()
+
+
+@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
+@pytest.mark.parametrize("server", ["refused", "never answers"])
+def test_a_tracking_server_that_is_down_or_never_answers_warns_and_the_job_ends(work, kind, server):
+    env = {"WANDB_API_KEY": "a" * 40, "WANDB_DIR": str(work)}  # W&B online: a key of the right form
+    with (
+        black_hole() if server == "never answers" else contextlib.nullcontext(f"http://127.0.0.1:{free_port()}") as url
+    ):
+        started = time.monotonic()
+        args = ["--max-steps", "12", "--tracker", kind, "--tracker-uri", url, "--tracker-timeout", "2"]
+        proc = ddpjob(["train", "--device", "cpu", *args], work, timeout=240, **env)
     out = ok(proc)
     assert "[ddpjob] done: step 12" in out
-    assert "warning: tracker:" in proc.stderr and "--tracker-timeout 2 s" in proc.stderr, proc.stderr[-3000:]
-    print(f"\nunreachable tracker: job ended in {time.monotonic() - started:.1f}s")
+    assert "warning: tracker:" in proc.stderr, proc.stderr[-3000:]
+    print(f"\n{kind} server {server}: job ended in {time.monotonic() - started:.1f}s")
 
 
 def test_tracking_server_dying_mid_run_only_warns(work):
@@ -267,7 +298,7 @@ def test_resume_never_starts_a_new_tracker_run(work):
     args = ["train", "--device", "cpu", "--max-steps", "8", "--log-every", "4", "--tracker", "mlflow"]
     args += ["--tracker-every", "0"]
     ok(ddpjob(args, work))
-    ok(ddpjob([*args, "--resume", "never"], work))
+    ok(ddpjob([*args, "--resume", "never", "--checkpoint-dir", "runs/ddpjob/afresh"], work))  # same RUN_DIR
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
     assert len(runs) == 2

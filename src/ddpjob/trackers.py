@@ -19,7 +19,6 @@ only steps beyond those the run already holds: no step is logged twice, none goe
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import queue
@@ -38,12 +37,6 @@ if TYPE_CHECKING:
     from ddpjob.config import Config
 
 QUEUE_SIZE = 1000  # records waiting for the thread; more are dropped, never waited for
-
-
-def _exit_now(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def warn(message: str) -> None:
@@ -236,9 +229,6 @@ class Tracker:
             warn(
                 f"{stuck} {self.queue.qsize()} record(s) not sent within --tracker-timeout {self.timeout:g} s; exiting"
             )
-            # Registered last, so run first at exit: the tracker's own exit hooks (wandb's waits for
-            # its server) would otherwise hang the process that this timeout let go.
-            atexit.register(_exit_now, exit_code)
         if self.dropped:
             warn(f"{self.dropped} record(s) dropped while the tracker was behind (queue of {QUEUE_SIZE} full)")
         self.thread = None
