@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ddpjob, free_port, plain_env_ranks, spawn
+from helpers import ddpjob, free_port, ok, plain_env_ranks, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,9 @@ def test_a_loader_that_never_returns_fails_the_rank_with_exit_1_past_the_step_ti
     assert "Traceback" not in proc.stderr + proc.stdout
     stack = (work / "runs/ddpjob/traces/stack_0.txt").read_text()
     assert "__getitem__" in stack, stack  # where it stopped, for `ddpjob diagnose`
+    verdict = ok(ddpjob(["diagnose", "runs/ddpjob"], work)).splitlines()
+    assert verdict[0].startswith("no rank is waiting in a collective"), verdict
+    assert verdict[1].startswith("rank(s) 0 (") and "stalls.py" in verdict[1] and "in __getitem__" in verdict[1]
 
 
 def test_a_rank_stuck_in_c_holding_the_gil_is_still_ended_by_the_c_timer(work: Path) -> None:

@@ -112,6 +112,7 @@ def verdict(traces: dict[int, RankTrace], world_size: int) -> str:
     if not waiting:
         why = next((f"; the traces were written because: {t.why}" for t in traces.values() if t.why), "")
         done = f"no rank is waiting in a collective: every rank that wrote a trace finished collective #{top}{why}"
+        done = "\n".join([done, *_stuck_in(traces)])
         return f"{quiet} and are the likely cause\n{done}" if silent else done
     name = next((traces[r].names[top] for r in waiting if top in traces[r].names), "a collective")
     where = f"{name} #{top}, which rank(s) {ranks_text(waiting)} ({_hosts(traces, waiting)}) are waiting in"
@@ -125,6 +126,18 @@ def verdict(traces: dict[int, RankTrace], world_size: int) -> str:
     if not lines:
         lines.append(f"every rank entered {where}: the collective itself is stuck (network, or a peer's transport)")
     return "\n".join(lines)
+
+
+def _stuck_in(traces: dict[int, RankTrace]) -> list[str]:
+    """Where the ranks are, outside any collective: one line per distinct stack."""
+    by_stack: dict[tuple[str, ...], list[int]] = {}
+    for rank, trace in sorted(traces.items()):
+        if trace.stack:
+            by_stack.setdefault(tuple(trace.stack[:3]), []).append(rank)
+    return [
+        f"rank(s) {ranks_text(ranks)} ({_hosts(traces, ranks)}) are in: {' <- '.join(stack)}"
+        for stack, ranks in by_stack.items()
+    ]
 
 
 def _hosts(traces: dict[int, RankTrace], ranks: list[int]) -> str:
