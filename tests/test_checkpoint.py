@@ -297,6 +297,7 @@ def test_tied_weights_stay_tied_when_built_from_a_checkpoint(tmp_path):
     rebuilt = train.build("tests.plugins.tied:model", 0, state, "x")
     assert rebuilt.encode.weight is rebuilt.decode.weight
     assert len(list(rebuilt.parameters())) == len(list(model.parameters()))
+    assert rebuilt.encode.weight.data_ptr() == state["encode.weight"].data_ptr()  # the loaded tensor: one copy
 
 
 def test_ranks_sharing_the_verification_find_a_flipped_byte_in_the_block_of_whoever_checks_it(tmp_path, monkeypatch):

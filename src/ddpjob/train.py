@@ -41,7 +41,7 @@ from ddpjob.stragglers import Stragglers
 from ddpjob.traces import Tracer, enable_nccl_dumps
 from ddpjob.trackers import Tracker
 from ddpjob.watchdog import Phases, start_watchdog
-from ddpjob.weights import load_weights, model_state, unwrap
+from ddpjob.weights import load_weights, model_state, shared_parameters, tie, unwrap
 
 
 @dataclass
@@ -131,10 +131,9 @@ def build(spec: str, seed: int, state: dict[str, torch.Tensor] | None, source: s
         return build_model(spec)
     with torch.device("meta"):
         model = build_model(spec)
-    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
-    if not tied:  # assign=True would give each tied use a Parameter of its own
-        load_weights(model, state, source)
-    if tied or any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # buffers outside the state dict
+    tied = shared_parameters(model)  # assign=True gives each use of a tied weight a Parameter of its own:
+    tie(load_weights(model, state, source), tied)  # tied again, as built, to the one loaded tensor
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):  # buffers outside the state dict
         rng.seed_all(seed)  # as a fresh start would: random buffers outside the state dict match it
         model = load_weights(build_model(spec), state, source)
     return model

@@ -118,6 +118,24 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: st
     return model
 
 
+def shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each Parameter that the model uses in more than one place (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def tie(model: nn.Module, groups: list[list[str]]) -> nn.Module:
+    """Make every name of each group the same Parameter again: the first name's."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
+    return model
+
+
 class _Slot(NamedTuple):
     """Where a tensor sat in a broadcast state: its shape and dtype, and which tensor it is (tensors
     that share memory, such as tied weights, share one slot)."""
