@@ -21,6 +21,7 @@ SERIAL = {
     "test_phases.py",
     "test_preflight.py",
     "test_shared_checkpoint_dir.py",
+    "test_slurm_launch.py",
     "test_stragglers.py",
 }
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob.trackers import QUEUE_SIZE, Tracker
-from helpers import PY, REPO, clean_env, ddpjob, free_port, ok, records, spawn, trained_steps, wait_until
+from helpers import PY, REPO, clean_env, ddpjob, free_port, ok, records, spawn, torchrun, trained_steps, wait_until
 
 pytestmark = pytest.mark.slow
 # ~0.13 s per step (a sleep per sample fetched): the tracker starts, and a signal lands, mid-run.
@@ -198,10 +198,12 @@ def test_a_tracking_server_that_is_down_or_never_answers_warns_and_the_job_ends(
         started = time.monotonic()
         args = ["--max-steps", "12", "--tracker", kind, "--tracker-uri", url, "--tracker-timeout", "2"]
         proc = ddpjob(["train", "--device", "cpu", *args], work, timeout=240, **env)
+    took = time.monotonic() - started
     out = ok(proc)
     assert "[ddpjob] done: step 12" in out
     assert "warning: tracker:" in proc.stderr, proc.stderr[-3000:]
-    print(f"\n{kind} server {server}: job ended in {time.monotonic() - started:.1f}s")
+    print(f"\n{kind} server {server}: job ended in {took:.1f}s")
+    assert took < 90  # about 10 s here; MLflow alone retries a request for minutes
 
 
 def test_tracking_server_dying_mid_run_only_warns(work):
@@ -226,17 +228,13 @@ def test_tracking_server_dying_mid_run_only_warns(work):
 
 
 def test_a_full_queue_drops_records_and_never_blocks_the_caller(tmp_path):
-    tracker = Tracker("mlflow", True, str(tmp_path), uri=f"http://127.0.0.1:{free_port()}", timeout=1)
-    tracker.start()  # its thread is stuck retrying a server that is not there
+    tracker = Tracker("mlflow", True, str(tmp_path))  # not started: nothing takes records off the queue
     began = time.perf_counter()
     for step in range(QUEUE_SIZE + 50):
         tracker.log("train", step, {"train/loss": 1.0})
     spent = time.perf_counter() - began
-    assert tracker.dropped >= 50
+    assert tracker.dropped == 50
     assert spent < 5.0, f"{QUEUE_SIZE + 50} log() calls took {spent:.2f}s"  # put_nowait only: microseconds each
-    began = time.perf_counter()
-    tracker.close(0)
-    assert time.perf_counter() - began < 30
 
 
 @pytest.mark.parametrize("command", ["train", "launch"])
@@ -262,8 +260,10 @@ def test_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, command)
     assert not (tmp_path / "runs").exists()
 
 
-def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work):
-    """As after a hard kill: the run holds steps up to 24, the newest checkpoint left is step 12."""
+@pytest.mark.parametrize("tracker_json", ["kept", "lost"])
+def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work, tracker_json):
+    """As after a hard kill: the run holds steps up to 24, the newest checkpoint left is step 12.
+    Without tracker.json (node-local RUN_DIR, deleted) the run itself says which steps it holds."""
     import mlflow
 
     args = ["train", "--device", "cpu", "--log-every", "4", "--save-every", "12", "--tracker", "mlflow"]
@@ -271,6 +271,8 @@ def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work):
     ok(ddpjob([*args, "--max-steps", "24"], work))
     for path in (work / "runs/ddpjob/checkpoints").glob("step-24*"):
         path.unlink()
+    if tracker_json == "lost":
+        (work / "runs/ddpjob/tracker.json").unlink()
     ok(ddpjob([*args, "--max-steps", "32"], work))
     starts = [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "start"]
     assert starts == [0, 12]  # resumed at 12: steps 13-24 trained again
@@ -278,6 +280,21 @@ def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work):
     (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == [4, 8, 12, 16, 20, 24, 28, 32]
+
+
+def test_a_dcp_checkpoint_of_two_ranks_names_the_run_without_tracker_json(work):
+    """DCP keeps the extras of one rank of its choosing: every rank must carry rank 0's run id."""
+    import mlflow
+
+    args = ["--log-every", "4", "--save-every", "4", "--checkpoint-format", "dcp", "--tracker", "mlflow"]
+    args += ["--model", "ddpjob.plugins:digits_mlp(hidden=64)"]  # with this model's sizes DCP keeps rank 1's
+    ok(torchrun([*args, "--max-steps", "8"], work))
+    (work / "runs/ddpjob/tracker.json").unlink()
+    ok(torchrun([*args, "--max-steps", "16"], work))
+    assert [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "start"] == [0, 8]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])  # one run, not two
+    assert client.get_metric_history(run.info.run_id, "train/loss")[-1].step == 16
 
 
 def test_a_local_store_is_imported_and_its_run_started_before_the_first_step(tmp_path):

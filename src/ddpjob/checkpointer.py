@@ -467,7 +467,11 @@ class Checkpointer:
 
     # ---- save ----------------------------------------------------------------------------------
     def save(self, step: int, epoch: int) -> None:
-        mine = (rng.get_state(), {name: obj.state_dict() for name, obj in self.per_rank.items()})
+        # Rank 0's small states (progress, schedule, tracker) go to every rank: a DCP folder keeps
+        # the extras of whichever rank its planner picks, and only rank 0 knows the tracker's run.
+        small = {n: o.state_dict() for n, o in self.stateful.items() if n not in ("model", "optimizer")}
+        per_rank = {name: obj.state_dict() for name, obj in self.per_rank.items()}
+        mine = (rng.get_state(), per_rank, small if self.env.is_main else {})
         gathered: list[Any] = [mine]
         if self.distributed:
             gathered = [None] * self.env.world_size
@@ -477,19 +481,19 @@ class Checkpointer:
             step=step,
             epoch=epoch,
             run=self.run,
-            rng=[state for state, _ in gathered],
+            rng=[state for state, _, _ in gathered],
             config=self.cfg.to_dict(),
             optimizer_layout=optim.layout(self.stateful["optimizer"]),
             world_size=self.env.world_size,
             torch_version=str(torch.__version__),
         )
         if self.per_rank:
-            about["ranks"] = {name: [states[name] for _, states in gathered] for name in self.per_rank}
+            about["ranks"] = {name: [states[name] for _, states, _ in gathered] for name in self.per_rank}
         error = ""
         try:
             self.wait()  # at most one save in flight
             if self.cfg.checkpoint_format == "dcp":
-                self._save_sharded(step, about)
+                self._save_sharded(step, gathered[0][2] | about)
             elif self.env.is_main:
                 self._save_file(step, about)
         except StorageError as exc:
@@ -516,9 +520,8 @@ class Checkpointer:
             checkpoint.save(state, path, self.run)
             self._done(path)
 
-    def _save_sharded(self, step: int, about: dict[str, Any]) -> None:
-        """Every rank writes its part of a DCP folder (async: from a thread)."""
-        extra = {n: o.state_dict() for n, o in self.stateful.items() if n not in ("model", "optimizer")} | about
+    def _save_sharded(self, step: int, extra: dict[str, Any]) -> None:
+        """Every rank writes its part of a DCP folder (async: from a thread); extra: the same on every rank."""
         model, optimizer, directory = self.stateful["model"], self.stateful["optimizer"], self.cfg.checkpoint_path
         if self.cfg.save_mode == "async":
             self.pending = sharded.save_async(

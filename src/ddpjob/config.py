@@ -382,7 +382,7 @@ def validate(cfg: Config) -> None:
         raise UsageError("--checkpoint-format dcp is read by every rank; use --load-mode mmap")
     if cfg.tensorboard:
         optional.require("tensorboard", f"--tensorboard {cfg.tensorboard}")
-    if cfg.tracker != "none":  # its package, named as the tracker; imported only by rank 0's tracker thread
+    if cfg.tracker != "none":  # its package, named as the tracker; imported only by rank 0's tracker
         optional.check(cfg.tracker, f"--tracker {cfg.tracker}")
     if not (cfg.init_method == "env://" or cfg.init_method.startswith("tcp://")):
         raise UsageError(f"--init-method {cfg.init_method!r} must be env:// or tcp://HOST:PORT")

@@ -50,6 +50,9 @@ class Backend(Protocol):
     def start(self, run_id: str, params: dict[str, Any]) -> tuple[str, bool]:
         """Resume run_id when it exists here, else create a run with params; (its id, resumed)."""
 
+    def held(self) -> dict[str, int]:
+        """The highest step the run holds per record kind, as far as the tracker can tell."""
+
     def log(self, records: list[tuple[int, dict[str, float]]]) -> None:
         """Send (step, values) records, in step order."""
 
@@ -64,13 +67,15 @@ class MLflow:
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         self.entities = mlflow.entities
         self.where, self.experiment, self.name, self.run_id = uri, experiment, name, ""
-        self.local = not uri.startswith(("http:", "https:", "databricks"))
+        self.local = uri.startswith(("sqlite:", "file:")) or "://" not in uri  # a database server is remote
 
     def start(self, run_id: str, params: dict[str, Any]) -> tuple[str, bool]:
         if run_id:
             try:
                 self.client.get_run(run_id)
-            except Exception as exc:
+            except Exception as exc:  # only a run that is not there starts another: not a server that is down
+                if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+                    raise
                 warn(f"mlflow run {run_id} is not in {self.where} ({first_line(exc)}); starting a new run")
             else:
                 self.run_id = run_id
@@ -86,6 +91,15 @@ class MLflow:
             self.client.set_terminated(self.run_id, status="FAILED")  # no run left RUNNING that no one continues
             raise
         return self.run_id, False
+
+    def held(self) -> dict[str, int]:
+        """The highest step the run holds per record kind (its metrics are named kind/name)."""
+        steps: dict[str, int] = {}
+        for key in self.client.get_run(self.run_id).data.metrics:
+            kind = key.partition("/")[0]
+            if kind not in steps:
+                steps[kind] = max(m.step for m in self.client.get_metric_history(self.run_id, key))
+        return steps
 
     def log(self, records: list[tuple[int, dict[str, float]]]) -> None:
         stamp = int(time.time() * 1000)
@@ -123,6 +137,9 @@ class WandB:
             **kwargs,
         )
         return str(self.run.id), bool(self.run.resumed) or bool(run_id and self.local)
+
+    def held(self) -> dict[str, int]:
+        return {}  # W&B itself refuses a step below the run's current one
 
     def log(self, records: list[tuple[int, dict[str, float]]]) -> None:
         for step, values in records:
@@ -252,6 +269,8 @@ class Tracker:
             return False
         if not resumed:
             self.logged = {}
+        elif not self.logged:  # continued from the checkpoint's id alone: ask the run what it holds
+            self.logged = backend.held()
         self._write_state()
         verb = "continues" if resumed else "started"
         print(f"[ddpjob] tracker: {self.kind} run {self.run_id} {verb} at {backend.where}", flush=True)
@@ -324,7 +343,10 @@ class Tracker:
     def _write_state(self) -> None:
         """RUN_DIR/tracker.json, atomically: the run and the highest step sent per event."""
         state = {"kind": self.kind, "run_id": self.run_id, "uri": self.uri, "logged": self.logged}
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_name(f".tracker.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.state_path)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.state_path)
+        except OSError as exc:  # the checkpoints still name the run
+            warn(f"cannot write {self.state_path} ({first_line(exc)})")
