@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from ddpjob import checkpointer
 from ddpjob.train import build
 from helpers import ddpjob, final_checkpoint, final_params, lr_by_step, ok, records, torchrun
 
@@ -155,6 +156,17 @@ JOBS = {
         "--grad-clip",
         "5",
     ],
+    # Hugging Face: dict batches as keyword arguments, the ModelOutput's loss, dropout; plug-in optimizer and schedule
+    "factory": [
+        *("--model", "examples.hf_tiny:tiny_gpt2(vocab=16, dim=16, layers=1, heads=2, block=8)"),
+        *("--data", f"{P}:tokens", "--optimizer", f"{P}:sgd_factory(lr=0.05)", "--schedule", f"{P}:step_down(at=0.2)"),
+    ],
+    # the default model, data and loss: digits, an MLP with dropout, cross-entropy; Adam's moments, a constant
+    # LR after a warm-up that the split falls in, clipping
+    "classifier": [
+        *("--optimizer", "adam", "--betas", "0.8,0.99", "--schedule", "constant", "--warmup-steps", "8"),
+        *("--grad-clip", "0.5"),
+    ],
 }
 
 
@@ -169,26 +181,31 @@ SAVES = {"file": [], "dcp-async": ["--checkpoint-format", "dcp", "--save-mode", 
         ("regression", 1, "file"),
         ("regression", 2, "file"),
         ("lm", 2, "dcp-async"),
+        ("factory", 1, "file"),
+        ("factory", 2, "file"),
+        ("classifier", 1, "file"),
+        ("classifier", 2, "file"),
     ],
 )
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run_on_any_job(work, job, world, saves):
-    args = [*JOBS[job], *SAVES[saves], "--epochs", "3", "--batch-size", "16", "--grad-accum", "2", "--save-every", "0"]
-    args += ["--log-every", "1"]
+    """Two launches: the uninterrupted run, which also saves at step 5 (mid-epoch at either world size), and
+    a run resumed from that checkpoint in another run directory; both to the same step."""
+    args = [*JOBS[job], *SAVES[saves], "--epochs", "3", "--batch-size", "16", "--grad-accum", "2", "--log-every", "1"]
     total = 3 * 256 // (32 * world)
 
-    def run(run_dir, max_steps):
-        flags = [*args, "--run-dir", run_dir, "--max-steps", str(max_steps)]
+    def run(run_dir, *flags):
+        flags = [*args, "--run-dir", run_dir, "--max-steps", str(total), *flags]
         return ok(ddpjob(["train", *flags], work) if world == 1 else torchrun(flags, work))
 
-    run("whole", total)
-    run("split", 5)  # mid-epoch at either world size
-    run("split", total)
-    assert [r["step"] for r in of(work, "start", "split")] == [0, 5]
+    run("whole", "--save-every", "5", "--keep", "10")
+    step_5 = dict(checkpointer.list_steps(work / "whole/checkpoints"))[5]
+    run("split", "--save-every", "0", "--resume", str(step_5))
+    assert [r["step"] for r in of(work, "start", "split")] == [5]
     fingerprints = [of(work, "final", run)[-1]["params"] for run in ("whole", "split")]  # sha256 of the weights
     assert fingerprints[0] == fingerprints[1]
-    whole = {r["step"]: r["loss"] for r in of(work, "train", "whole")}
+    whole = {r["step"]: r["loss"] for r in of(work, "train", "whole") if r["step"] > 5}
     split = {r["step"]: r["loss"] for r in of(work, "train", "split")}
-    assert whole == split
+    assert sorted(split) == list(range(6, total + 1)) and whole == split
 
 
 def test_compile_matches_eager_within_tolerance_and_saves_plain_keys(work):

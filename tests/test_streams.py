@@ -56,8 +56,8 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize(
     "world, extra",
-    [(1, ()), (2, ()), (2, ("--checkpoint-format", "dcp", "--grad-accum", "2"))],
-    ids=["1-process", "2-processes", "2-processes-dcp-accum2"],
+    [(1, ()), (2, ()), (2, ("--checkpoint-format", "dcp", "--grad-accum", "2", "--stop-check-every", "5"))],
+    ids=["1-process", "2-processes", "2-processes-dcp-accum2-check5"],  # check5: positions kept every 5th step
 )
 def test_a_stream_stopped_mid_epoch_resumes_bitwise_equal_with_workers(tmp_path, uninterrupted, world, extra):
     whole = uninterrupted(world, *extra)
@@ -113,6 +113,16 @@ def test_an_endless_stream_trains_to_max_steps_and_needs_them_and_a_stream_valid
     proc = ddpjob(endless, work_with_shards(work / "other"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "it has no length to make epochs and an LR schedule of; give --max-steps N" in proc.stderr
+
+
+def test_a_validation_stream_gives_every_evaluation_pass_its_samples_again(tmp_path):
+    write_shards(tmp_path / "shards", [40, 40, 40, 40])  # 10 steps of 16; the validation stream: 2 files, 80 samples
+    data = f"{DATA}(val_stream=True)"
+    ok(ddpjob(["train", "--data", data, "--batch-size", "16", "--epochs", "1", "--max-steps", "100"], tmp_path))
+    evals = [r for r in records(tmp_path / "runs/ddpjob") if r["event"] in ("eval", "final")]
+    assert [(r["event"], r["step"]) for r in evals] == [("eval", 10), ("final", 10)]  # two passes, the same weights
+    scores = [{k: r.get(k) for k in ("val_loss", "accuracy")} for r in evals]  # an empty pass: no accuracy
+    assert scores[0]["val_loss"] > 0 and scores[1] == scores[0]
 
 
 def test_an_iterable_dataset_without_set_rank_is_refused_on_two_processes(tmp_path):

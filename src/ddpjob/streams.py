@@ -11,7 +11,7 @@ Two kinds of dataset, two feeds, one interface for the loop (``epoch``, ``epoch_
 
 The contract for an ``IterableDataset`` (README: "Streaming data"):
 
-- Rank and world: ddpjob calls ``dataset.set_rank(rank, world_size)`` once, before any iteration;
+- Rank and world: ddpjob calls ``dataset.set_rank(rank, world_size)`` before each pass over it;
   the dataset yields only its rank's share (e.g. files ``rank::world_size``). Required when more
   than one process trains: without it every rank would read the same stream.
 - Workers: in ``__iter__``, ``torch.utils.data.get_worker_info()`` gives the worker's id and
@@ -21,12 +21,16 @@ The contract for an ``IterableDataset`` (README: "Streaming data"):
   it starts the stream anew (and may reshuffle by epoch). An epoch ends when any rank's stream
   cannot fill a whole optimizer step; the others drop what they have left, as ``drop_last`` does.
   A stream has no length that ddpjob uses: ``--max-steps`` is required, and is the LR schedule's
-  length. An endless stream is fine.
+  length. An endless stream is fine. A validation stream gets ``set_rank`` and ``set_epoch(0)``
+  before each evaluation pass (``begin_pass``, shared with training), so every pass sees the same
+  samples in the same order; it must end.
 - Position: ``state_dict()`` returns where this copy (rank, worker) is, in plain types and tensors
   (it is saved with ``weights_only``-loadable checkpoints), and ``load_state_dict(state)`` puts a
   fresh copy back there; the state is taken after each batch, so it names the next sample. Keep the
   stream's randomness in it too (a ``torch.Generator``'s state). Without them, a resume replays the
   worker's stream from the epoch's start up to the position (exact only for a deterministic stream).
+  The loop keeps the loader's state only after the steps a checkpoint may follow (``due``): a deep
+  copy of every worker's state each step would be a per-step cost for nothing.
 - World size: the positions are per rank; a resume at another world size is refused in one line,
   since rank r's share of files at one size is not rank r's at another.
 
@@ -57,10 +61,24 @@ from ddpjob.preempt import shield_worker
 
 
 class Position(Protocol):
-    """Where the loop is in training: the epoch and, for map-style data, the global sample cursor."""
+    """Where the loop is in training: optimizer steps done, the epoch and, for map-style data, the
+    global sample cursor."""
 
+    step: int
     epoch: int
     sample: int
+
+
+def begin_pass(dataset: Any, env: DistEnv, epoch: int) -> None:
+    """Before a pass over a stream (a training epoch, an evaluation): its rank's share, from the start of ``epoch``."""
+    if hasattr(dataset, "set_rank"):
+        dataset.set_rank(env.rank, env.world_size)
+    if hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(epoch)
+
+
+def every_step(step: int) -> bool:
+    return True
 
 
 class Indexed:
@@ -94,7 +112,7 @@ class Indexed:
     def schedule_steps(self, cfg: Config) -> int:
         return self.steps_per_epoch * cfg.epochs
 
-    def epoch(self, at: Position) -> Iterator[Any]:
+    def epoch(self, at: Position, due: Callable[[int], bool] = every_step) -> Iterator[Any]:
         self.sampler.set_epoch(at.epoch)
         self.sampler.cursor = at.sample
         self.loader_rng.manual_seed(self.seed * 100_003 + at.epoch)
@@ -113,9 +131,7 @@ class Stream:
         stateful = require("torchdata.stateful_dataloader", "an IterableDataset (--data)", "torchdata")
         self.dataset, self.batching, self.seed, self.env = dataset, batching, cfg.seed, env
         name = type(dataset).__name__
-        if hasattr(dataset, "set_rank"):
-            dataset.set_rank(env.rank, env.world_size)
-        elif env.world_size > 1:
+        if not hasattr(dataset, "set_rank") and env.world_size > 1:
             raise UsageError(
                 f"the IterableDataset {name} has no set_rank(rank, world_size), so each of the {env.world_size} "
                 "processes would read the same stream; define it to yield only the rank's share (README: Streaming data)"
@@ -136,6 +152,8 @@ class Stream:
         together = dist.is_initialized() and env.world_size > 1
         self.group = dist.new_group(backend="gloo", timeout=timeout) if together else None
         self.position: dict[str, Any] | None = None  # the loader's state after the last whole step; None: epoch start
+        self.position_step: int | None = None  # the step self.position follows; None: an epoch's start or end
+        self.at: Position | None = None
         self.exhausted = False
         self.stateful = {"stream": self}
 
@@ -147,29 +165,31 @@ class Stream:
             )
         return cfg.max_steps
 
-    def epoch(self, at: Position) -> Iterator[Any]:
-        """The epoch's micro-batches, from the saved position on, in whole steps that every rank has."""
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(at.epoch)
+    def epoch(self, at: Position, due: Callable[[int], bool] = every_step) -> Iterator[Any]:
+        """The epoch's micro-batches, from the saved position on, in whole steps that every rank has;
+        ``due(step)``: whether a checkpoint may follow optimizer step ``step`` (only then is the
+        loader's state kept)."""
+        begin_pass(self.dataset, self.env, at.epoch)
         self.generator.manual_seed(rng.derived_seed(self.seed, at.epoch, self.env.rank))  # worker seeds
         if self.position is not None:
             self.loader.load_state_dict(self.position)
-        self.exhausted = False
-        return self._whole_steps(iter(self.loader))
+        self.exhausted, self.at, self.position_step = False, at, at.step if self.position is not None else None
+        return self._whole_steps(iter(self.loader), at, due)
 
-    def _whole_steps(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _whole_steps(self, batches: Iterator[Any], at: Position, due: Callable[[int], bool]) -> Iterator[Any]:
         accum = self.batching.grad_accum
         ahead = [b for _, b in zip(range(accum), batches, strict=False)]
         agreed = self._all_have(len(ahead) == accum)
         while agreed():
-            step = ahead
-            after = copy.deepcopy(self.loader.state_dict())  # before fetching ahead: the place after `step`
+            step, done = ahead, at.step + 1  # `step` is optimizer step `done`
+            # before fetching ahead: the place after `step`, copied (the loader's live state moves on)
+            after = copy.deepcopy(self.loader.state_dict()) if due(done) else None
             ahead = [b for _, b in zip(range(accum), batches, strict=False)]
             agreed = self._all_have(len(ahead) == accum)  # overlaps with training `step`
             yield from step[:-1]
-            self.position = after  # the loop saves only after a step's last micro-batch
+            self.position, self.position_step = after, done  # the loop saves only after a step's last micro-batch
             yield step[-1]
-        self.exhausted, self.position = True, None
+        self.exhausted, self.position, self.position_step = True, None, None
 
     def _all_have(self, mine: bool) -> Callable[[], bool]:
         """A callable that says whether every rank has a whole step; the all-reduce runs in between."""
@@ -189,6 +209,10 @@ class Stream:
 
     # ---- checkpoint: one state per rank (Checkpointer gathers them) ----------------------------
     def state_dict(self) -> dict[str, Any]:
+        if self.at is not None and self.position_step not in (None, self.at.step):
+            raise RuntimeError(f"the stream's position after step {self.at.step} was not kept: due() missed it")
+        if self.position_step is not None and self.position is None:
+            raise RuntimeError(f"the stream's position after step {self.position_step} was not kept: due() missed it")
         return {"loader": self.position, "workers": self.loader.num_workers}
 
     def load_rank_states(self, states: list[dict[str, Any]] | None) -> None:
@@ -226,7 +250,6 @@ def feed(
 def eval_shard(dataset: Dataset[Any], env: DistEnv) -> Dataset[Any]:
     """This rank's part of the validation set: every world_size-th sample, or the stream's rank share."""
     if isinstance(dataset, IterableDataset):
-        if hasattr(dataset, "set_rank"):
-            dataset.set_rank(env.rank, env.world_size)
+        begin_pass(dataset, env, 0)  # every pass the same samples, in the same order
         return dataset
     return Subset(dataset, range(env.rank, len(dataset), env.world_size))  # type: ignore[arg-type]

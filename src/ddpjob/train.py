@@ -330,6 +330,11 @@ def train(
     own.attach(model)
     accum = batching.grad_accum
 
+    def may_save_after(step: int) -> bool:
+        """Whether a checkpoint may follow optimizer step ``step``: --save-every, a stop check, the last step."""
+        every = cfg.save_every and step % cfg.save_every == 0
+        return bool(every) or step % stop.check_every == 0 or step >= total_steps
+
     def save() -> None:
         with phases.enter("checkpoint"):
             checkpointer.save(progress.step, progress.epoch)
@@ -341,7 +346,7 @@ def train(
         while progress.epoch < cfg.epochs and progress.step < total_steps:
             micro = 0
             own.start()
-            for batch in feed.epoch(progress):
+            for batch in feed.epoch(progress, may_save_after):  # a stream keeps its place for these steps
                 batch = to_device(batch, device)
                 micro += 1
                 sync_now = micro == accum
