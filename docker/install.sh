@@ -21,5 +21,20 @@ if ! /opt/ddpjob/bin/python -c "import torch" 2>/dev/null; then
 fi
 # shellcheck disable=SC2086
 "$pip" install $offline "$project" "$dumb_init"
+# The examples: root-owned and read-only to the job's user, on sys.path after site-packages (a .pth
+# file), so `examples.lm` resolves whatever the working directory; one in the working directory wins.
+share=/opt/ddpjob/share/ddpjob
+mkdir -p "$share"
+cp -R /tmp/build/examples "$share/examples"
+/opt/ddpjob/bin/python -m compileall -q "$share/examples"
+chmod -R u=rwX,go=rX "$share"
+site=$(/opt/ddpjob/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+echo "$share" > "$site/ddpjob-examples.pth"
 /opt/ddpjob/bin/ddpjob --help >/dev/null
+# examples.lm's corpus is the base's standard-library .py sources: a base that strips them fails here.
+(cd / && /opt/ddpjob/bin/python -c '
+from examples.lm import corpus_files
+n = sum(p.stat().st_size for p in corpus_files())
+assert n >= 1_000_000, f"examples.lm: the standard library has only {n} bytes of .py sources"
+')
 /opt/ddpjob/bin/dumb-init --version >/dev/null 2>&1

@@ -89,11 +89,25 @@ def docker_run_args(job: dict, index: int, network: str, volume: str) -> list[st
     return pod_run_args(pod, f"{name}-{index}", labels, {"JOB_COMPLETION_INDEX": str(index)}, network, volume, alias)
 
 
-def test_indexed_job_pods_complete_when_run_as_the_kubelet_would(docker_env):
+LM_ARGS = ["--model", "examples.lm:tiny_lm", "--data", "examples.lm:stdlib_text", "--epochs", "1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "final_step"),
+    [([], 220), ([*LM_ARGS, "--max-steps", "10", "--batch-size", "4", "--save-every", "0"], 10)],
+    ids=["as-rendered", "lm"],
+)
+def test_indexed_job_pods_complete_when_run_as_the_kubelet_would(docker_env, args, final_step):
+    """`args`: appended to the container's args, as a user's overlay would (the LM: the image's examples/
+    import under the pod's read-only root and non-root user)."""
     rendered = subprocess.run(
         ["kubectl", "kustomize", str(REPO / "k8s/overlays/cpu")], capture_output=True, text=True, check=True
     ).stdout
     job = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Job")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    container["args"] = [*container.get("args", []), *args]
+    if args:  # one torch thread per pod: both share this host's 2 cores
+        container["env"].append({"name": "OMP_NUM_THREADS", "value": "1"})
     nodes = job["spec"]["completions"]
     network, volume = "ddpjob-e2e-k8s", "ddpjob-e2e-k8s-runs"
     names = [f"{job['metadata']['name']}-{i}" for i in range(nodes)]
@@ -114,11 +128,11 @@ def test_indexed_job_pods_complete_when_run_as_the_kubelet_would(docker_env):
         logs = [docker("logs", name).stdout + docker("logs", name).stderr for name in names]
         assert codes == [0] * nodes, "\n".join(log[-2000:] for log in logs)
         assert "scheduler=kubernetes" in logs[0] and "ddpjob-0.ddpjob:29500" in logs[0]
-        assert sum("done: step" in log for log in logs) == 1
+        assert sum(f"done: step {final_step} " in log for log in logs) == 1
         listing = docker(
             "run", "--rm", "-v", f"{volume}:/runs", "--entrypoint", "ls", "ddpjob:cpu", "/runs/ddpjob/checkpoints"
         ).stdout.split()
-        assert "step-220.pt" in listing and "step-220.pt.sum" in listing
+        assert f"step-{final_step}.pt" in listing and f"step-{final_step}.pt.sum" in listing
     finally:
         docker("rm", "-f", *names)
         docker("network", "rm", network)

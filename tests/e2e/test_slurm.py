@@ -109,8 +109,25 @@ def test_sbatch_fails_with_the_bad_input_exit_code(slurm_env, cleanup):
     assert "--lr='fast' is not a number" in output(job_id)
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes_to_completion(slurm_env, cleanup):
-    job_id = sbatch(slurm_env, "--epochs", "40", "--log-every", "20", "--save-every", "0")
+LM_ARGS = ("--model", "examples.lm:tiny_lm", "--data", "examples.lm:stdlib_text", "--epochs", "1")
+
+
+@pytest.mark.parametrize(
+    ("args", "options", "final_step"),
+    [
+        (("--epochs", "40", "--log-every", "20"), (), 40 * 22),
+        (  # one torch thread per node: both nodes share this host's 2 cores
+            (*LM_ARGS, "--max-steps", "40", "--batch-size", "4", "--log-every", "1", "--stop-check-every", "1"),
+            ("--export=ALL,OMP_NUM_THREADS=1",),
+            40,
+        ),
+    ],
+    ids=["digits", "lm"],
+)
+def test_preemption_signal_checkpoints_requeues_and_resumes_to_completion(
+    slurm_env, cleanup, args, options, final_step
+):
+    job_id = sbatch(slurm_env, *args, "--save-every", "0", options=options)
     cleanup.append(job_id)
     metrics = run_dir(job_id) / "metrics.jsonl"
     wait_for(lambda: metrics.is_file() and '"train"' in metrics.read_text(), 180, "training to start")
@@ -127,7 +144,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_completion(slurm_
     assert len(preempted) == 1 and preempted[0]["signal"] == 10  # SIGUSR1
     assert len(starts) == 2 and starts[1]["step"] == preempted[0]["step"] > 0
     assert starts[1]["resumed_from"].endswith(f"step-{preempted[0]['step']}.pt")
-    assert records[-2]["event"] == "final" and records[-2]["step"] == 40 * 22
+    assert records[-2]["event"] == "final" and records[-2]["step"] == final_step and "val_loss" in records[-2]
     assert "requeueing job" in out and "(restart 1)" in out  # --open-mode=append kept both attempts
 
 
