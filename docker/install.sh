@@ -26,6 +26,9 @@ fi
 share=/opt/ddpjob/share/ddpjob
 mkdir -p "$share"
 cp -R /tmp/build/examples "$share/examples"
+# A namespace package: a user's own `examples` folder without __init__.py merges with it instead
+# of being hidden by it.
+rm -f "$share/examples/__init__.py"
 /opt/ddpjob/bin/python -m compileall -q "$share/examples"
 chmod -R u=rwX,go=rX "$share"
 site=$(/opt/ddpjob/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')

@@ -125,6 +125,23 @@ def test_a_validation_stream_gives_every_evaluation_pass_its_samples_again(tmp_p
     assert scores[0]["val_loss"] > 0 and scores[1] == scores[0]
 
 
+def test_set_rank_is_called_once_so_a_stream_may_drop_the_other_ranks_files(tmp_path):
+    work = work_with_shards(tmp_path)
+    args = ["launch", "--nproc-per-node", "2", "--batch-size", "16", "--epochs", "3", "--max-steps", "1000"]
+    ok(ddpjob([*args, "--save-every", "0", "--data", f"{DATA}(narrowing=True)"], work, timeout=300))
+    ends = [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "eval"]
+    assert ends[0] > 0 and ends == [ends[0], 2 * ends[0], 3 * ends[0]]  # every epoch as long: nothing narrowed twice
+
+
+def test_a_validation_stream_that_yields_nothing_is_one_line_and_exit_2(tmp_path):
+    write_shards(tmp_path / "shards", [40, 40])
+    data = "tests.plugins.shards:empty_validation"
+    proc = ddpjob(["train", "--data", data, "--batch-size", "16", "--epochs", "1", "--max-steps", "100"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "the validation data yielded no samples on any rank" in proc.stderr.strip().splitlines()[-1]
+
+
 def test_an_iterable_dataset_without_set_rank_is_refused_on_two_processes(tmp_path):
     work = work_with_shards(tmp_path)
     proc = ddpjob([*job(2), "--data", "tests.plugins.shards:unranked"], work, timeout=300)

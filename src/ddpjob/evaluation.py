@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpjob import batches, streams
 from ddpjob.distenv import DistEnv
+from ddpjob.errors import UsageError
 from ddpjob.losses import IGNORE_INDEX, Loss, LossResult, class_scores
 
 
@@ -86,7 +87,12 @@ def evaluate(
             totals[name] = totals[name] + value if name in totals else value
     model.train()
     summed = all_reduced(totals, device)
-    weight = max(summed.pop("weight", 0.0), 1e-12)
+    weight = summed.pop("weight", 0.0)
+    if not weight:  # the same sum on every rank: all of them stop here
+        raise UsageError(
+            "the validation data yielded no samples on any rank; a validation IterableDataset must start "
+            "anew at set_epoch(0) before each evaluation (or give --data a training set only)"
+        )
     result = {"val_loss": summed.pop("val_loss", 0.0) / weight}
     if "correct" in summed:
         result["accuracy"] = summed.pop("correct") / weight

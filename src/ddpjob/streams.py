@@ -11,8 +11,8 @@ Two kinds of dataset, two feeds, one interface for the loop (``epoch``, ``epoch_
 
 The contract for an ``IterableDataset`` (README: "Streaming data"):
 
-- Rank and world: ddpjob calls ``dataset.set_rank(rank, world_size)`` before each pass over it;
-  the dataset yields only its rank's share (e.g. files ``rank::world_size``). Required when more
+- Rank and world: ddpjob calls ``dataset.set_rank(rank, world_size)`` once, before the first pass
+  (so it may narrow what it holds); the dataset yields only its rank's share (e.g. files ``rank::world_size``). Required when more
   than one process trains: without it every rank would read the same stream.
 - Workers: in ``__iter__``, ``torch.utils.data.get_worker_info()`` gives the worker's id and
   count; each worker yields its own share of the rank's share. Worker w's batches are the loader's
@@ -21,7 +21,7 @@ The contract for an ``IterableDataset`` (README: "Streaming data"):
   it starts the stream anew (and may reshuffle by epoch). An epoch ends when any rank's stream
   cannot fill a whole optimizer step; the others drop what they have left, as ``drop_last`` does.
   A stream has no length that ddpjob uses: ``--max-steps`` is required, and is the LR schedule's
-  length. An endless stream is fine. A validation stream gets ``set_rank`` and ``set_epoch(0)``
+  length. An endless stream is fine. A validation stream gets ``set_rank`` once and ``set_epoch(0)``
   before each evaluation pass (``begin_pass``, shared with training), so every pass sees the same
   samples in the same order; it must end.
 - Position: ``state_dict()`` returns where this copy (rank, worker) is, in plain types and tensors
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Protocol
@@ -69,10 +70,16 @@ class Position(Protocol):
     sample: int
 
 
+_RANKED: weakref.WeakSet[Any] = weakref.WeakSet()  # streams told their rank: once each, as a
+# user's set_rank may narrow what it holds (files[rank::world], split_dataset_by_node)
+
+
 def begin_pass(dataset: Any, env: DistEnv, epoch: int) -> None:
-    """Before a pass over a stream (a training epoch, an evaluation): its rank's share, from the start of ``epoch``."""
-    if hasattr(dataset, "set_rank"):
+    """Before a pass over a stream (a training epoch, an evaluation): its rank's share (told once),
+    from the start of ``epoch``."""
+    if hasattr(dataset, "set_rank") and dataset not in _RANKED:
         dataset.set_rank(env.rank, env.world_size)
+        _RANKED.add(dataset)
     if hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)
 

@@ -21,13 +21,18 @@ from ddpjob import plugins, rng
 
 
 class ShardedFiles(IterableDataset):
-    def __init__(self, files: list[Path], endless: bool = False, seed: int = 0, delay: float = 0.0) -> None:
-        self.files, self.endless, self.seed, self.delay = files, endless, seed, delay
+    def __init__(
+        self, files: list[Path], endless: bool = False, seed: int = 0, delay: float = 0.0, narrowing: bool = False
+    ) -> None:
+        self.files, self.endless, self.seed, self.delay, self.narrowing = files, endless, seed, delay, narrowing
         self.rank, self.world, self.epoch = 0, 1, 0
         self.pass_, self.file, self.offset = 0, 0, 0  # the position: next sample of this copy's share
 
     def set_rank(self, rank: int, world_size: int) -> None:
-        self.rank, self.world = rank, world_size
+        if self.narrowing:  # keeps only its share, as split_dataset_by_node does: not to be told twice
+            self.files = self.files[rank::world_size]
+        else:
+            self.rank, self.world = rank, world_size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.pass_, self.file, self.offset = epoch, 0, 0, 0
@@ -67,16 +72,21 @@ def write_shards(folder: Path, sizes: list[int]) -> None:
 
 
 def sharded(
-    folder: str = "shards", endless: bool = False, delay: float = 0.0, val_stream: bool = False
+    folder: str = "shards", endless: bool = False, delay: float = 0.0, val_stream: bool = False, narrowing: bool = False
 ) -> tuple[ShardedFiles, Any]:
     """The files under ``folder`` (relative to the working directory), with digits' validation set
     (``val_stream``: the first two files as a stream instead); ``delay``: seconds of sleep per
-    sample, so a test can act mid-run."""
+    sample, so a test can act mid-run; ``narrowing``: set_rank drops the other ranks' files."""
     files = sorted(Path(folder).glob("shard-*.pt"))
     if not files:
         raise FileNotFoundError(f"no shard-*.pt files in {os.path.abspath(folder)}")
     val = ShardedFiles(files[:2]) if val_stream else plugins.digits()[1]
-    return ShardedFiles(files, endless, delay=delay), val
+    return ShardedFiles(files, endless, delay=delay, narrowing=narrowing), val
+
+
+def empty_validation(folder: str = "shards") -> tuple[ShardedFiles, ShardedFiles]:
+    """The files under ``folder``, and a validation stream that yields nothing."""
+    return ShardedFiles(sorted(Path(folder).glob("shard-*.pt"))), ShardedFiles([])
 
 
 def unranked(folder: str = "shards") -> IterableDataset:
