@@ -211,7 +211,7 @@ def test_tracking_server_dying_mid_run_only_warns(work):
     (work / "samples").mkdir()
     (work / "server").mkdir()
     with serve_mlflow(work / "server") as url:
-        args = [*JOB, "--tracker", "mlflow", "--tracker-uri", url, "--tracker-timeout", "3"]
+        args = [*JOB, "--max-steps", "80", "--tracker", "mlflow", "--tracker-uri", url, "--tracker-timeout", "3"]
         job = spawn(["train", "--device", "cpu", *args], work, TEST_SAMPLES_DIR=str(work / "samples"))
 
         def sent_some() -> bool:
