@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,6 +86,14 @@ def preempt_and_resume(work: Path, args: list[str], keep_state: bool = True, **e
     return int(stop["step"]), int(final["step"])
 
 
+def default_store_runs(run_dir: Path) -> tuple[Any, list[Any]]:
+    """A client of RUN_DIR's default SQLite store, and the runs of its experiment "ddpjob"."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    return client, client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+
+
 def assert_one_run_of_monotonic_steps(steps: list[int], stop: int, total: int) -> None:
     assert steps == sorted(set(steps)), steps  # strictly increasing: none repeated, none backwards
     assert steps[-1] == total
@@ -152,14 +161,12 @@ def test_wandb_offline_keeps_one_run_id_with_monotonic_steps_across_sigterm_and_
 
 
 def test_default_mlflow_store_is_sqlite_in_the_run_dir(work):
-    import mlflow
 
     args = ["--max-steps", "12", "--log-every", "4", "--tracker", "mlflow", "--tracker-every", "0"]
     ok(ddpjob(["train", "--device", "cpu", *args], work))
     store = work / "runs/ddpjob/mlflow.db"
     assert store.is_file()
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
-    (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+    client, (run,) = default_store_runs(store.parent)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4, 8, 12]
     assert run.data.params["max_steps"] == "12"
 
@@ -264,7 +271,6 @@ def test_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, command)
 def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work, tracker_json):
     """As after a hard kill: the run holds steps up to 24, the newest checkpoint left is step 12.
     Without tracker.json (node-local RUN_DIR, deleted) the run itself says which steps it holds."""
-    import mlflow
 
     args = ["train", "--device", "cpu", "--log-every", "4", "--save-every", "12", "--tracker", "mlflow"]
     args += ["--tracker-every", "0"]
@@ -276,15 +282,13 @@ def test_steps_trained_again_after_a_lost_checkpoint_are_not_sent_twice(work, tr
     ok(ddpjob([*args, "--max-steps", "32"], work))
     starts = [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "start"]
     assert starts == [0, 12]  # resumed at 12: steps 13-24 trained again
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+    client, (run,) = default_store_runs(work / "runs/ddpjob")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == [4, 8, 12, 16, 20, 24, 28, 32]
 
 
 def test_a_dcp_checkpoint_of_two_ranks_names_the_run_without_tracker_json(work):
     """DCP keeps the extras of one rank of its choosing: every rank must carry rank 0's run id."""
-    import mlflow
 
     args = ["--log-every", "4", "--save-every", "4", "--checkpoint-format", "dcp", "--tracker", "mlflow"]
     args += ["--model", "ddpjob.plugins:digits_mlp(hidden=64)"]  # with this model's sizes DCP keeps rank 1's
@@ -292,8 +296,7 @@ def test_a_dcp_checkpoint_of_two_ranks_names_the_run_without_tracker_json(work):
     (work / "runs/ddpjob/tracker.json").unlink()
     ok(torchrun([*args, "--max-steps", "16"], work))
     assert [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "start"] == [0, 8]
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])  # one run, not two
+    client, (run,) = default_store_runs(work / "runs/ddpjob")  # one run, not two
     assert client.get_metric_history(run.info.run_id, "train/loss")[-1].step == 16
 
 
@@ -310,14 +313,12 @@ def test_a_local_store_is_imported_and_its_run_started_before_the_first_step(tmp
 
 
 def test_resume_never_starts_a_new_tracker_run(work):
-    import mlflow
 
     args = ["train", "--device", "cpu", "--max-steps", "8", "--log-every", "4", "--tracker", "mlflow"]
     args += ["--tracker-every", "0"]
     ok(ddpjob(args, work))
     ok(ddpjob([*args, "--resume", "never", "--checkpoint-dir", "runs/ddpjob/afresh"], work))  # same RUN_DIR
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{work}/runs/ddpjob/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("ddpjob").experiment_id])
+    client, runs = default_store_runs(work / "runs/ddpjob")
     assert len(runs) == 2
     for run in runs:  # each run holds its own steps: the second one's were not skipped as sent
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [4, 8]

@@ -21,6 +21,7 @@ tensors stay tied) and writes it from a thread: no fork, one extra host copy of 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import socket
 import sys
@@ -469,9 +470,8 @@ class Checkpointer:
     def save(self, step: int, epoch: int) -> None:
         # Rank 0's small states (progress, schedule, tracker) go to every rank: a DCP folder keeps
         # the extras of whichever rank its planner picks, and only rank 0 knows the tracker's run.
-        small = {n: o.state_dict() for n, o in self.stateful.items() if n not in ("model", "optimizer")}
         per_rank = {name: obj.state_dict() for name, obj in self.per_rank.items()}
-        mine = (rng.get_state(), per_rank, small if self.env.is_main else {})
+        mine = (rng.get_state(), per_rank, self._small_states(step) if self.env.is_main else {})
         gathered: list[Any] = [mine]
         if self.distributed:
             gathered = [None] * self.env.world_size
@@ -489,13 +489,16 @@ class Checkpointer:
         )
         if self.per_rank:
             about["ranks"] = {name: [states[name] for _, states, _ in gathered] for name in self.per_rank}
-        error = ""
+        small = gathered[0][2]
+        error = small if isinstance(small, str) else ""
         try:
             self.wait()  # at most one save in flight
-            if self.cfg.checkpoint_format == "dcp":
-                self._save_sharded(step, gathered[0][2] | about)
+            if error:
+                pass
+            elif self.cfg.checkpoint_format == "dcp":
+                self._save_sharded(step, small | about)
             elif self.env.is_main:
-                self._save_file(step, about)
+                self._save_file(step, small | about)
         except StorageError as exc:
             error = str(exc)
         except Exception as exc:  # e.g. a stateful object that cannot be pickled: never leave the others waiting
@@ -503,10 +506,20 @@ class Checkpointer:
         if self._agree(error):
             self.last_saved = step
 
-    def _save_file(self, step: int, about: dict[str, Any]) -> None:
-        state = {name: obj.state_dict() for name, obj in self.stateful.items() if name != "model"}
+    def _small_states(self, step: int) -> dict[str, Any] | str:
+        """Rank 0's states other than the model's and the optimizer's, or why they cannot be sent:
+        all_gather_object pickles them, and a failure there must not leave the other ranks waiting."""
+        try:
+            states = {n: o.state_dict() for n, o in self.stateful.items() if n not in ("model", "optimizer")}
+            pickle.dumps(states)
+        except Exception as exc:  # e.g. a user's schedule holding a lambda
+            return f"cannot write checkpoint for step {step}: {first_line(exc)}"
+        return states
+
+    def _save_file(self, step: int, extra: dict[str, Any]) -> None:
+        """Rank 0 writes the whole state to one file (async: from a thread); extra: as for DCP."""
+        state = {"optimizer": self.stateful["optimizer"].state_dict(), **extra}
         state["model"] = weights.unwrap(self.stateful["model"]).state_dict()
-        state.update(about)
         path = checkpoint.path_for(self.cfg.checkpoint_path, step)
         if self.cfg.save_mode == "async":
             state, self.staged = stage(state, self.staged)

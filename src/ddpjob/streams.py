@@ -216,10 +216,10 @@ class Stream:
 
     # ---- checkpoint: one state per rank (Checkpointer gathers them) ----------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self.at is not None and self.position_step not in (None, self.at.step):
-            raise RuntimeError(f"the stream's position after step {self.at.step} was not kept: due() missed it")
-        if self.position_step is not None and self.position is None:
-            raise RuntimeError(f"the stream's position after step {self.position_step} was not kept: due() missed it")
+        kept = self.position is not None and self.at is not None and self.position_step == self.at.step
+        if self.position_step is not None and not kept:
+            step = self.at.step if self.at is not None else self.position_step
+            raise RuntimeError(f"the stream's position after step {step} was not kept: due() missed it")
         return {"loader": self.position, "workers": self.loader.num_workers}
 
     def load_rank_states(self, states: list[dict[str, Any]] | None) -> None:

@@ -3,11 +3,12 @@ across restarts, sent from a background thread so that no step ever waits on the
 
 The loop hands records only at logging intervals (through Metrics.write) to a bounded queue; a
 full queue drops the record and counts it. Every --tracker-every seconds the thread sends what is
-queued, in one batch and thinned to the newest record per event: a local SQLite store costs about
-6 ms of CPU per call and 0.1 ms per value, taken from rank 0's core and GIL, and a job that logs
-many times a second would otherwise pay it on every record. metrics.jsonl keeps them all. Work that holds the GIL (importing mlflow or wandb,
-building a local store) is done in start(), before the first step, so that the thread's work during
-training is network I/O that releases it; a remote run is also started in the thread. close() lets the thread send what is queued for at most
+queued, in one batch thinned to the newest record per event: a local SQLite store costs about 6 ms
+of CPU per call and 0.1 ms per value, taken from rank 0's core and GIL, which a job logging many
+times a second would otherwise pay on every record (metrics.jsonl keeps them all). Work that holds
+the GIL (importing mlflow or wandb, building a local store) is done in start(), before the first
+step; a remote run is started in the thread, whose work during training is network I/O.
+close() lets the thread send what is queued for at most
 --tracker-timeout seconds, so a dead tracking server can neither hang the job nor its exit. A
 tracker that cannot start, or a server that goes away, is a warning: training goes on.
 
@@ -250,7 +251,7 @@ class Tracker:
             warn(f"{self.dropped} record(s) dropped while the tracker was behind (queue of {QUEUE_SIZE} full)")
         self.thread = None
 
-    # ---- the run and the thread ------------------------------------------------------------------------------
+    # ---- the run and the thread ------------------------------------------------------------------
     def _backend(self) -> Backend:
         if self.kind == "mlflow":
             return MLflow(self.uri, self.project, self.run_name)
