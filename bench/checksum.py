@@ -1,6 +1,6 @@
-"""Checksum speed over a memory-mapped file, read in 16 MiB chunks as ddpjob.checksum reads it:
+"""Checksum speed over a memory-mapped file, read in 16 MiB chunks as ddpjob.checkpoint.checksum reads it:
 zlib's CRC-32 (the old manifests) against the candidates for the new one, warm page cache, plus
-the machine's memory-read floor measured in the same run, and ddpjob.checksum.file_digest itself.
+the machine's memory-read floor measured in the same run, and ddpjob.checkpoint.checksum.file_digest itself.
 Candidates whose package is not installed are skipped (pip install google-crc32c crc32c to
 compare them all).
     python bench/checksum.py [--gib 1] [--repeats 5] [--dir DIR]
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from common import REPO, median, table
 
-from ddpjob import checksum
+from ddpjob.checkpoint import checksum
 
 CHUNK = 16 << 20
 
@@ -121,7 +121,7 @@ def main() -> None:
                 checksum.file_digest(path, algorithm)
                 times.append(time.perf_counter() - start)
             rate = size / median(times) / 1e9
-            rows.append([f"ddpjob.checksum.file_digest({algorithm!r})", rate, rate / floor])
+            rows.append([f"ddpjob.checkpoint.checksum.file_digest({algorithm!r})", rate, rate / floor])
         table(
             f"checksum over a {size / 2**30:.2f} GiB memory-mapped file, 16 MiB chunks, warm, "
             f"1 thread, median of {a.repeats} ({os.cpu_count()} CPUs)",

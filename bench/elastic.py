@@ -47,8 +47,8 @@ from common import PY, env, free_port, median, table
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+from ddpjob.launch.rendezvous_watch import _StateUnpickler  # builds inert records only
 from ddpjob.plugins import synthetic_mlp
-from ddpjob.rendezvous_watch import _StateUnpickler  # builds inert records only
 
 RDZV_ID = "ddpjob"  # launch's default --rdzv-id
 SENTINEL = b"Y2FuaW1hZGFt"  # what the c10d backend stores before the first node writes

@@ -25,12 +25,13 @@ def specs(a: argparse.Namespace) -> tuple[str, str]:
     return f"examples.lm:tiny_lm(block={a.block})", f"examples.lm:stdlib_text(block={a.block})"
 
 
-def ddpjob_times(work: Path, a: argparse.Namespace, compiled: bool) -> dict[str, Any]:
+def ddpjob_times(work: Path, a: argparse.Namespace, compiled: bool, *more: str) -> dict[str, Any]:
+    """``ddpjob train`` of the language model, ``more`` flags added; rank 0's steptimes record."""
     model, data = specs(a)
     out = work / "times"
     timed = f"bench.steptimes:timed(data={data!r}, out={str(out)!r}, first={a.first}, last={a.last}, val=False)"
     flags = ["--batch-size", str(a.batch), "--epochs", str(EPOCHS), "--max-steps", str(a.last + 1)]
-    flags += ["--save-every", "0", *(["--compile"] if compiled else [])]
+    flags += ["--save-every", "0", *(["--compile"] if compiled else []), *more]
     ddpjob_train(work, model, timed, *flags)
     return steptimes.read(out)
 

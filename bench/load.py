@@ -4,7 +4,7 @@ models; warm and cold page cache (cold needs root: echo 3 > /proc/sys/vm/drop_ca
 machine's floors measured in the same run: disk read, page-cache read and memory copy bandwidth.
 Each way that checks the checkpoint (b, c, d) times that check on its own: "verify s" is the part
 of "s to DDP-ready" spent verifying the file(s) against the manifest (ddpjob's verify, or a
-stand-in of the same cost while the manifests predate ddpjob.checksum), "verify / load" that
+stand-in of the same cost while the manifests predate ddpjob.checkpoint.checksum), "verify / load" that
 part over the rest of the load (target <= 0.1 for both formats).
     python bench/load.py [--repeats 3] [--sizes 1,2] [--modes naive,ddpjob,rank0,dcp] [--dir DIR]
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from common import REPO, median, run, table, torchrun
 
-from ddpjob import checkpoint, sharded
+from ddpjob.checkpoint.formats import dcp_folder, single_file
 from ddpjob.plugins import synthetic_mlp
 
 HIDDEN_PER_GIB = 4  # synthetic_mlp(width=8192): four 8192x8192 hidden layers are 1 GiB of fp32
@@ -57,9 +57,9 @@ def make_checkpoints(directory: Path, depth: int) -> tuple[Path, Path]:
     torch.manual_seed(0)
     model = synthetic_mlp(width=8192, depth=depth)
     single = directory / f"depth{depth}.pt"
-    checkpoint.save({"format": checkpoint.FORMAT, "model": model.state_dict()}, single)
+    single_file.save({"format": single_file.FORMAT, "model": model.state_dict()}, single)
     folder = directory / f"depth{depth}.dcp"  # with ddpjob's marker (sizes, checksums) as a save writes it
-    sharded.write_model(model.state_dict(), folder)
+    dcp_folder.write_model(model.state_dict(), folder)
     return single, folder
 
 

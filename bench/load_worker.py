@@ -21,9 +21,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpjob import checkpoint, checksum, sharded, weights
+from ddpjob.checkpoint import checksum, weights
+from ddpjob.checkpoint.formats import dcp_folder, single_file
 from ddpjob.plugins import synthetic_mlp
-from ddpjob.train import build
+from ddpjob.train.setup import build
 
 
 def status_gib(key: str) -> float:
@@ -59,25 +60,25 @@ def _records_new_checksums(entry: object) -> bool:
 
 def verifier(path: Path, share: tuple[int, int]) -> tuple[str, Callable[[], str | None]]:
     """What a load checks before it reads: ddpjob's own verify (checkpoint.verify for a file,
-    sharded.verify for a DCP folder) once its manifests record ddpjob.checksum's algorithm, on this
+    sharded.verify for a DCP folder) once its manifests record ddpjob.checkpoint.checksum's algorithm, on this
     rank's ``share`` (part, parts) of the checksums as ddpjob's loader splits them between a node's
     ranks ((0, 1): all of them, as rank 0 does in --load-mode rank0);
     before that, a stand-in that costs the same: size and checksum.file_digest of every file."""
     if path.is_dir():
         try:
-            entries = json.loads((path / sharded.MARKER).read_text())["files"].values()
+            entries = json.loads((path / dcp_folder.MARKER).read_text())["files"].values()
         except (OSError, ValueError, KeyError, AttributeError):
             entries = []
         if entries and all(_records_new_checksums(e) for e in entries):
-            return f"sharded.verify ({checksum.ALGORITHM}, this rank's share)", lambda: sharded.verify(path, share)
-        files = sorted(p for p in path.iterdir() if p.name != sharded.MARKER)
+            return f"sharded.verify ({checksum.ALGORITHM}, this rank's share)", lambda: dcp_folder.verify(path, share)
+        files = sorted(p for p in path.iterdir() if p.name != dcp_folder.MARKER)
     else:
         try:
-            manifest = json.loads(checkpoint.manifest_path(path).read_text())
+            manifest = json.loads(single_file.manifest_path(path).read_text())
         except (OSError, ValueError):
             manifest = None
         if _records_new_checksums(manifest):
-            return f"checkpoint.verify ({checksum.ALGORITHM}, this rank's share)", lambda: checkpoint.verify(
+            return f"checkpoint.verify ({checksum.ALGORITHM}, this rank's share)", lambda: single_file.verify(
                 path, share
             )
         files = [path]
@@ -119,16 +120,16 @@ def main() -> None:
         model = DDP(model)
     elif mode == "ddpjob":  # ddpjob's default: verified mmap, meta + assign, agree, no broadcast
         verified()
-        state = checkpoint.read(path, verified=True)
+        state = single_file.read(path, verified=True)
         model = build(spec, 0, weights.model_state(state, str(path)), str(path))
         seen: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, checkpoint.identity(path))
+        dist.all_gather_object(seen, single_file.identity(path))
         assert len(set(seen)) == 1
         model = DDP(model, init_sync=False)
     elif mode == "rank0":  # --load-mode rank0: rank 0 reads, tensors are broadcast into place
         if rank == 0:
             verified()
-        state = weights.broadcast(checkpoint.read(path, verified=True) if rank == 0 else None, None)
+        state = weights.broadcast(single_file.read(path, verified=True) if rank == 0 else None, None)
         model = build(spec, 0, weights.model_state(state, str(path)), str(path))
         model = DDP(model, init_sync=False)
     elif mode == "dcp":  # torch.distributed.checkpoint: verify, allocate, then read into place

@@ -7,6 +7,8 @@ two runs saw different thread counts, world size or torch (bench/steptimes.py's 
 the benchmark. Each run
 gives its per-step wall times over the same fixed window (bench/steptimes.py); its throughput is
 window steps / window seconds. The pair's ratio is ddpjob's throughput over the bare loop's.
+With more than two loops (bench/peers.py), a round runs each once, the order rotated by one each
+round, and ddpjob's pair with each other loop is taken within the round.
 
 The summary is the median of the pair ratios with the order-statistic (sign-test) confidence
 interval for a median: [r_(k), r_(n-k+1)] of the sorted ratios, k the largest for which a
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
@@ -51,20 +53,36 @@ class Pair:
         return self.ours.steps_per_s / self.bare.steps_per_s
 
 
+def run_rounds(count: int, timers: Mapping[str, Timer]) -> Iterator[dict[str, dict[str, Any]]]:
+    """``count`` rounds, each running every loop of ``timers`` once, the order rotated by one each
+    round (with two loops: ddpjob first in even rounds, the other first in odd ones); yields each
+    round's records by name, in the order they ran. Loops that saw different threads, world size or
+    torch within a round stop the benchmark."""
+    names = list(timers)
+    for i in range(count):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        with tempfile.TemporaryDirectory() as tmp:
+            records = {name: timers[name](Path(tmp) / name) for name in order}
+        settings = {name: r["setting"] for name, r in records.items()}
+        if len({repr(s) for s in settings.values()}) > 1:
+            raise SystemExit(f"unfair round: the loops ran with different settings: {settings}")
+        yield records
+
+
+def pair(records: Mapping[str, dict[str, Any]], ours: str, theirs: str) -> Pair:
+    """The pair of ``ours`` and ``theirs`` in one round's records."""
+    order = list(records)
+    return Pair(
+        order.index(ours) < order.index(theirs),
+        Run.of(records[ours]["seconds"]),
+        Run.of(records[theirs]["seconds"]),
+    )
+
+
 def run_pairs(count: int, ours: Timer, bare: Timer, progress: Callable[[Pair], None] = print) -> list[Pair]:
     pairs = []
-    for i in range(count):
-        ours_first = i % 2 == 0
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
-            if ours_first:
-                mine, theirs = ours(work / "ours"), bare(work / "bare")
-            else:
-                theirs = bare(work / "bare")
-                mine = ours(work / "ours")
-        if mine["setting"] != theirs["setting"]:
-            raise SystemExit(f"unfair pair: ddpjob ran with {mine['setting']}, the bare loop with {theirs['setting']}")
-        pairs.append(Pair(ours_first, Run.of(mine["seconds"]), Run.of(theirs["seconds"])))
+    for records in run_rounds(count, {"ours": ours, "bare": bare}):
+        pairs.append(pair(records, "ours", "bare"))
         progress(pairs[-1])
     return pairs
 
@@ -88,12 +106,15 @@ def sign_test(below: int, n: int) -> float:
     return min(1.0, 2 * sum(comb(n, j) for j in range(tail + 1)) / 2**n)
 
 
-def report(title: str, pairs: Sequence[Pair], unit: str = "steps/s", scale: float = 1.0) -> float:
-    """Print the pairs and the summary; returns the median ratio. ``scale`` turns steps/s into ``unit``."""
+def report(
+    title: str, pairs: Sequence[Pair], unit: str = "steps/s", scale: float = 1.0, baseline: str = "bare"
+) -> float:
+    """Print the pairs and the summary; returns the median ratio. ``scale`` turns steps/s into ``unit``;
+    ``baseline`` names the other loop."""
     rows = [
         [
             i + 1,
-            "ddpjob" if p.ours_first else "bare",
+            "ddpjob" if p.ours_first else baseline,
             f"{p.bare.steps_per_s * scale:.1f}",
             f"{p.ours.steps_per_s * scale:.1f}",
             f"{p.bare.median_ms:.1f}",
@@ -102,7 +123,8 @@ def report(title: str, pairs: Sequence[Pair], unit: str = "steps/s", scale: floa
         ]
         for i, p in enumerate(pairs)
     ]
-    header = ["pair", "first", f"bare {unit}", f"ddpjob {unit}", "bare ms/step (median)", "ddpjob ms/step", "ratio"]
+    header = ["pair", "first", f"{baseline} {unit}", f"ddpjob {unit}", f"{baseline} ms/step (median)"]
+    header += ["ddpjob ms/step", "ratio"]
     table(title, header, rows)
     ratios = [p.ratio for p in pairs]
     low, high, cover = median_ci(ratios)
@@ -110,8 +132,8 @@ def report(title: str, pairs: Sequence[Pair], unit: str = "steps/s", scale: floa
     bare_rate = statistics.median(p.bare.steps_per_s for p in pairs) * scale
     ours_rate = statistics.median(p.ours.steps_per_s for p in pairs) * scale
     print(
-        f"\nmedians: bare {bare_rate:.1f} {unit}, ddpjob {ours_rate:.1f} {unit}\n"
-        f"ratio ddpjob / bare: median {statistics.median(ratios):.3f} of {len(ratios)} pairs, "
+        f"\nmedians: {baseline} {bare_rate:.1f} {unit}, ddpjob {ours_rate:.1f} {unit}\n"
+        f"ratio ddpjob / {baseline}: median {statistics.median(ratios):.3f} of {len(ratios)} pairs, "
         f"{100 * cover:.1f}% CI [{low:.3f}, {high:.3f}] (sign-test order statistics), "
         f"range {min(ratios):.3f}..{max(ratios):.3f} (target >= 0.98)\n"
         f"ddpjob slower in {slower} of {len(ratios)} pairs (sign test p = {sign_test(slower, len(ratios)):.3f})",

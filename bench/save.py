@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from common import median, table
 
-from ddpjob.checkpointer import Checkpointer
+from ddpjob.checkpoint.manager import Checkpointer
 from ddpjob.config import Config
 from ddpjob.distenv import DistEnv
 from ddpjob.plugins import synthetic_mlp
-from ddpjob.train import Progress
+from ddpjob.train.setup import Progress
 
 
 def main() -> None:

@@ -5,7 +5,9 @@ fetches a batch from it (``__getitems__``: once per batch, at the start of each 
 training process itself, as num_workers is 0 on both sides), so the gap between fetches k and k+1
 is step k's whole wall time: data, forward, backward, all-reduce waits, optimizer, schedule and
 whatever else the loop does. Once fetch LAST+1 has started it writes the durations of steps
-FIRST..LAST to OUT.RANK.json. Nothing depends on the model, so it times eager and compiled models
+FIRST..LAST to OUT.RANK.json, with the wall-clock time (``time.time()``) of fetch 1, the start of
+step 1, so that a launcher that noted its own launch time has the whole process's time to the
+first step (bench/peers.py). Nothing depends on the model, so it times eager and compiled models
 alike, and `ddpjob train` and a bare loop take it through the same code:
 
     ddpjob train --data "bench.steptimes:timed(data='ddpjob.plugins:synthetic()', out='/tmp/t', first=100, last=600)"
@@ -27,6 +29,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddpjob.plugins import build_data
+from ddpjob.train.rng import draws_random_numbers
 
 
 class TimedSet(Dataset[Any]):
@@ -34,8 +37,9 @@ class TimedSet(Dataset[Any]):
 
     def __init__(self, base: Dataset[Any], out: str, first: int, last: int) -> None:
         self.base, self.out, self.first, self.last = base, out, first, last
-        self.fetches, self.stamps = 0, list[float]()
+        self.fetches, self.stamps, self.first_fetch = 0, list[float](), 0.0
         self.fetch = getattr(base, "__getitems__", None) or (lambda indices: [base[i] for i in indices])
+        self.draws_random_numbers = draws_random_numbers(base)  # seeded per sample by ddpjob exactly when base is
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
@@ -45,6 +49,8 @@ class TimedSet(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
         self.fetches += 1
+        if self.fetches == 1:
+            self.first_fetch = time.time()
         if self.first <= self.fetches <= self.last + 1:
             self.stamps.append(time.perf_counter())
             if self.fetches == self.last + 1:
@@ -58,6 +64,7 @@ class TimedSet(Dataset[Any]):
             "first": self.first,
             "last": self.last,
             "seconds": seconds,
+            "first_fetch": self.first_fetch,
             "setting": setting(),
         }
         Path(f"{self.out}.{record['rank']}.json").write_text(json.dumps(record))
@@ -83,5 +90,6 @@ def setting() -> dict[str, Any]:
 
 
 def read(out: str | Path, rank: int = 0) -> dict[str, Any]:
-    """What rank ``rank`` wrote to OUT.RANK.json: ``seconds`` (the step durations) and ``setting``."""
+    """What rank ``rank`` wrote to OUT.RANK.json: ``seconds`` (the step durations), ``first_fetch``
+    (the wall-clock time step 1 began) and ``setting``."""
     return dict(json.loads(Path(f"{out}.{rank}.json").read_text()))

@@ -5,6 +5,7 @@
 # dumb-init (a static binary in a wheel) is the pods' PID 1: k8s/ runs `dumb-init -- ddpjob launch`.
 set -eu
 torch_spec=$1
+extras=${2:-}  # ddpjob's extras, comma-separated (s3), or none
 dumb_init=dumb-init==1.2.5.post1  # keep equal to docker/build-offline.sh's
 python3 -m venv --system-site-packages /opt/ddpjob
 pip=/opt/ddpjob/bin/pip
@@ -15,6 +16,7 @@ else
     offline=""
     project=/tmp/build
 fi
+[ -z "$extras" ] || project="${project}[$extras]"
 if ! /opt/ddpjob/bin/python -c "import torch" 2>/dev/null; then
     # shellcheck disable=SC2086  # word splitting is wanted: the spec may carry --index-url
     "$pip" install $offline $torch_spec
@@ -41,3 +43,5 @@ n = sum(p.stat().st_size for p in corpus_files())
 assert n >= 1_000_000, f"examples.lm: the standard library has only {n} bytes of .py sources"
 ')
 /opt/ddpjob/bin/dumb-init --version >/dev/null 2>&1
+# An extra that did not install fails the build, not the first job that needs it.
+case ",$extras," in *,s3,*) /opt/ddpjob/bin/python -c "import s3fs" ;; esac

@@ -17,6 +17,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 FAST = ["--epochs", "2", "--log-every", "1000"]
+# This checkout's package first (not whichever ddpjob the venv has installed), then the repo for examples.*
+PYTHONPATH = f"{REPO / 'src'}:{REPO}"
 
 
 def free_port() -> int:
@@ -29,7 +31,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The test process's env minus anything that would make a child think it is distributed."""
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("DDPJOB_", "SLURM_", "PET_"))}
-    env["PYTHONPATH"] = str(REPO)  # for the examples.tutorial plug-in
+    env["PYTHONPATH"] = PYTHONPATH
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
@@ -95,10 +97,11 @@ def ok(proc: subprocess.CompletedProcess[str]) -> str:
 
 def final_checkpoint(run_dir: Path) -> dict[str, Any]:
     """The newest checkpoint file of a run, whole: model, optimizer, progress, what it records."""
-    from ddpjob import checkpoint, checkpointer
+    from ddpjob.checkpoint import catalogue
+    from ddpjob.checkpoint.formats import single_file
 
-    newest = checkpointer.list_steps(run_dir / "checkpoints")[0][1]
-    return checkpoint.read(newest)
+    newest = catalogue.list_steps(run_dir / "checkpoints")[0][1]
+    return single_file.read(newest)
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -182,3 +185,13 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def attempt_end(
+    run_dir: Path, node_rank: int | None, code: int, no_rendezvous: bool = False, host: str = "pod"
+) -> None:
+    """An attempt's end record in RUN_DIR/attempts.jsonl, as launch writes it."""
+    from ddpjob.train.metrics import append_attempt
+
+    extra = {"no_rendezvous": True} if no_rendezvous else {}
+    append_attempt(str(run_dir), node_rank=node_rank, host=host, event="end", exit_code=code, **extra)

@@ -34,3 +34,21 @@ def operator_env(job: dict, rtype: str, index: int) -> dict[str, str]:
     if policy.get("rdzvConf"):
         env["PET_RDZV_CONF"] = ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])
     return env
+
+
+TRAINER_V2_PORT = 29400  # Kubeflow Trainer v2's constants.ContainerTrainerPort
+
+
+def trainer_v2_env(train_job: str, nodes: int, index: int, nproc: str = "auto") -> dict[str, str]:
+    """The variables Kubeflow Trainer v2's torch plugin (pkg/runtime/framework/plugins/torch/torch.go,
+    EnforceMLPolicy) gives the trainer container of node `index` of TrainJob `train_job`: PET_* only,
+    no MASTER_ADDR/MASTER_PORT. The pods are a JobSet's (replicated job "node"), so the Job
+    controller adds JOB_COMPLETION_INDEX, which PET_NODE_RANK is read from."""
+    return {
+        "PET_NNODES": str(nodes),
+        "PET_NPROC_PER_NODE": nproc,
+        "PET_NODE_RANK": str(index),
+        "PET_MASTER_ADDR": f"{train_job}-node-0-0.{train_job}",
+        "PET_MASTER_PORT": str(TRAINER_V2_PORT),
+        "JOB_COMPLETION_INDEX": str(index),
+    }

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from ddpjob import config, versions
+from ddpjob import config, log, versions
 from ddpjob.errors import EXIT_FAILED, EXIT_OK, UsageError, run_guarded
 
 
@@ -22,15 +22,20 @@ def _train(argv: Sequence[str]) -> int:
     versions.check_torch()  # before the worker's own imports, which need a recent torch
     import torch
 
-    from ddpjob import distenv, logs, train
+    from ddpjob import distenv
+    from ddpjob.train import loop, output_prefix
 
-    parser = config.make_parser("ddpjob train", "Run the training worker (one process of the job).")
-    config.add_config_flags(parser)
+    parser = config.make_parser(
+        "ddpjob train",
+        "Run the training worker (one process of the job).",
+        "The node-level flags of `ddpjob launch` are accepted too and ignored (see ddpjob launch --help).",
+    )
+    config.add_config_flags(parser, shown=config.WORKER)
     cfg = config.load(parser.parse_args(argv))
     env = distenv.resolve(os.environ, torch.cuda.device_count())
     if env.is_distributed:
-        logs.prefix_output(env)
-    return train.run(cfg, env)
+        output_prefix.prefix_output(env)
+    return loop.run(cfg, env)
 
 
 def _config(argv: Sequence[str]) -> int:
@@ -43,49 +48,49 @@ def _config(argv: Sequence[str]) -> int:
 def _doctor(argv: Sequence[str]) -> int:
     import torch
 
-    from ddpjob import doctor, launch, preflight
+    from ddpjob.launch import agent
+    from ddpjob.tools import doctor, doctor_all_nodes
 
     parser = config.make_parser("ddpjob doctor", "Check this node before (or instead of) joining the job.")
     config.add_config_flags(parser)
-    preflight.add_flags(parser)
+    doctor_all_nodes.add_flags(parser)
     args = parser.parse_args(argv)
-    preflight.check_flags(args)
+    doctor_all_nodes.check_flags(args)
     cfg = config.load(args)
-    plan = launch.resolve_plan(cfg, os.environ, torch.cuda.device_count())
+    plan = agent.resolve_plan(cfg, os.environ, torch.cuda.device_count())
     if args.all_nodes:
-        return preflight.run_all_nodes(cfg, plan, argv)
+        return doctor_all_nodes.run_all_nodes(cfg, plan, argv)
     return EXIT_OK if doctor.report(doctor.run(cfg, plan)) else EXIT_FAILED
 
 
 def _plot(argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from ddpjob import plot
+    from ddpjob.tools import plot
 
     parser = config.make_parser("ddpjob plot", "Plot loss, accuracy and throughput of a run as a PNG.")
     parser.add_argument("run_dir", type=Path, help="run dir (or its metrics.jsonl)")
     parser.add_argument("--out", type=Path, help="PNG path (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
-    print(f"[ddpjob] plot: wrote {plot.plot(args.run_dir, args.out)}")
+    log.info(f"plot: wrote {plot.plot(args.run_dir, args.out)}")
     return EXIT_OK
 
 
 def _ckpt(argv: Sequence[str]) -> int:
-    from pathlib import Path
-
-    from ddpjob import ckpt_tools
+    from ddpjob.checkpoint.storage import argument
+    from ddpjob.tools import ckpt
 
     parser = config.make_parser("ddpjob ckpt", "Inspect or convert checkpoints (ddpjob's or any state dict).")
     sub = parser.add_subparsers(dest="action", required=True)
     inspect = sub.add_parser("inspect", help="format, step, keys, shapes, dtypes, size, integrity, prefix")
-    inspect.add_argument("path", type=Path)
+    inspect.add_argument("path", type=argument, help="a file or folder, or its URL (s3://BUCKET/KEY)")
     inspect.add_argument("--all", action="store_true", help="list every tensor")
     convert = sub.add_parser(
         "convert", help="strip/add the module. prefix; plain, ddpjob, dcp or safetensors (one file or sharded)"
     )
-    convert.add_argument("src", type=Path)
-    convert.add_argument("dst", type=Path)
-    convert.add_argument("--to", choices=("plain", "ddpjob", "dcp", "safetensors"), default="plain")
+    convert.add_argument("src", type=argument)
+    convert.add_argument("dst", type=argument)
+    convert.add_argument("--to", choices=ckpt.TARGETS, default="plain")
     convert.add_argument("--add-prefix", default="", metavar="PREFIX", help="e.g. module. (default: strip prefixes)")
     convert.add_argument(
         "--max-shard-size",
@@ -96,16 +101,16 @@ def _ckpt(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(argv)
     if args.action == "inspect":
-        print("\n".join(ckpt_tools.inspect(args.path, show=10**9 if args.all else 50)))
+        print("\n".join(ckpt.inspect(args.path, show=10**9 if args.all else 50)))
     else:
-        print(ckpt_tools.convert(args.src, args.dst, args.to, args.add_prefix, args.max_shard_size))
+        print(ckpt.convert(args.src, args.dst, args.to, args.add_prefix, args.max_shard_size))
     return EXIT_OK
 
 
 def _diagnose(argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from ddpjob import diagnose
+    from ddpjob.tools import diagnose
 
     parser = config.make_parser("ddpjob diagnose", "Which rank stopped a stuck or failed job, from RUN_DIR/traces.")
     parser.add_argument("run_dir", type=Path, help="the job's --run-dir")
@@ -123,11 +128,11 @@ def _launch(argv: Sequence[str]) -> int:
     os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "ERROR"
     try:
         versions.check_torch()  # loads torch, under the level above
-        from ddpjob import launch
+        from ddpjob.launch import agent
     finally:
         if user_level is None:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
-    return launch.main(argv)
+    return agent.main(argv)
 
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {

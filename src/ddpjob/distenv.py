@@ -4,7 +4,7 @@ Resolved from the process environment, first match wins:
 1. torchrun / torchelastic (``RANK`` and ``LOCAL_RANK``, plus ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``),
 2. a plain environment with ``RANK`` and ``WORLD_SIZE`` (Kubeflow PyTorchJob, hand launch),
 3. Slurm ``srun`` tasks (``SLURM_PROCID``, ``SLURM_NTASKS``, ...),
-4. nothing: a single process.
+4. nothing: a single process (a ``WORLD_SIZE`` above 1 without ``RANK`` is refused).
 Every value is validated here, before any network wait.
 """
 
@@ -124,6 +124,11 @@ def resolve(env: Mapping[str, str], cuda_devices: int = 0) -> DistEnv:
         nnodes = _int(env, "SLURM_NNODES", 1)
         local_world = max(world // max(nnodes, 1), 1)
     else:
+        if _int(env, "WORLD_SIZE", 1) != 1:  # a launcher that set the world but not this process's place in it
+            raise UsageError(
+                f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: this process would train alone; export RANK "
+                "(and MASTER_ADDR) for each process, or start them with `ddpjob launch`"
+            )
         return DistEnv(0, 0, 1, 1, 0, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
 
     if world < 1:

@@ -23,6 +23,7 @@ EXTRAS = {
     "mlflow": "trackers",
     "wandb": "trackers",
     "torchdata": "streams",
+    "s3fs": "s3",
 }  # package -> extra
 
 
@@ -43,6 +44,26 @@ def check(package: str, purpose: str) -> None:
         found = False
     if not found:
         raise _missing(package, purpose, f"No module named {package!r}")
+
+
+def url_problem(url: str) -> str:
+    """ "" when fsspec has a filesystem for the URL's protocol (``s3://``: s3fs) and its library imports;
+    else what is wrong and how to fix it, one line, to follow the value it names."""
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        import fsspec  # a dependency of torch
+
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        return f"has an unknown protocol {protocol!r}: use s3:// (or any fsspec protocol), or a local path"
+    except ImportError as exc:
+        package = EXTRA_OF_PROTOCOL.get(protocol, "")
+        fix = f"pip install 'ddpjob[{EXTRAS[package]}]'" if package else "install the fsspec library for it"
+        return f"needs the fsspec library for {protocol}:// ({first_line(exc)[:100]}); install it with: {fix}"
+    return ""
+
+
+EXTRA_OF_PROTOCOL = {"s3": "s3fs", "s3a": "s3fs"}  # protocol -> the package of EXTRAS that serves it
 
 
 def _missing(package: str, purpose: str, reason: str) -> UsageError:

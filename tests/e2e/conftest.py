@@ -22,6 +22,7 @@ def docker_env() -> dict[str, str]:
         "DOCKER_HOST": f"unix://{STATE}/docker.sock",
         "DOCKER_CONFIG": str(STATE / "docker-config"),
         "DOCKER_BUILDKIT": "0",
+        "DDPJOB_IMAGE": IMAGE,  # the image compose.yaml runs (${DDPJOB_IMAGE:-ddpjob:cpu})
     }
     probe = subprocess.run(["docker", "image", "inspect", IMAGE], env=env, capture_output=True, text=True)
     if probe.returncode != 0:

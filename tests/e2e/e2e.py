@@ -11,7 +11,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("E2E_STATE", REPO / ".e2e"))
-IMAGE = "ddpjob:cpu"
+# E2E_IMAGE: another tag of the image (a branch's build beside the engine's ddpjob:cpu); the compose
+# files get it as DDPJOB_IMAGE in their environment (conftest's docker_env).
+IMAGE = os.environ.get("E2E_IMAGE", "ddpjob:cpu")
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str, every: float = 1.0) -> object:

@@ -1,13 +1,22 @@
-"""`docker compose up` on a real Docker engine: a 2-node CPU job from compose.yaml and .env, and the
-elastic recipe (compose.elastic.yaml) as nodes join and leave."""
+"""`docker compose up` on a real Docker engine: a 2-node CPU job from compose.yaml and .env, the
+elastic recipe (compose.elastic.yaml) as nodes join and leave, and the recipe without a shared volume
+(compose.s3.yaml) checkpointing to a real S3 server."""
 
+import io
+import json
 import shutil
 import subprocess
+import tarfile
 
 import pytest
 import torch
 
+from ddpjob.checkpoint import catalogue, storage
+from ddpjob.checkpoint.formats import single_file
+from ddpjob.train.stop_signal import STOP_SIGNALS
 from e2e import IMAGE, REPO, jsonl, volume_dir, wait_for
+from helpers import assert_bitwise_equal
+from s3server import BUCKET, S3Server
 
 pytestmark = pytest.mark.e2e
 
@@ -245,3 +254,154 @@ def test_compose_runs_the_lm_example_preempted_and_resumed_to_its_held_out_loss(
         assert last["step"] == max_steps and 0 < last["bits_per_token"] < 8, last
     finally:
         compose("down", "--volumes", "--timeout", "5")
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
+def test_compose_kill_with_each_stop_signal_exits_75_with_a_verified_checkpoint_of_the_stop(tmp_path, docker_env, sig):
+    """The stop-path table's compose rows (tests/test_stop_paths.py): `docker compose kill -s SIG`
+    (`docker compose stop` is its TERM row) reaches `ddpjob launch` through docker-init on both
+    nodes; both exit 75 with one verified checkpoint of the stop step."""
+    name = f"ddpjob-e2e-{sig.name.lower()}"
+    dotenv = (
+        "DDPJOB_NNODES=2\nDDPJOB_EPOCHS=200\nDDPJOB_LOG_EVERY=1\nDDPJOB_SAVE_EVERY=0\n"
+        "DDPJOB_STOP_CHECK_EVERY=1\nOMP_NUM_THREADS=1\n"
+    )
+    cmd = compose_project(tmp_path, name, dotenv)
+    env = {**docker_env, "COMPOSE_PROJECT_NAME": name}
+    nodes = [f"{name}-node-1", f"{name}-node-2"]
+
+    def compose(*args):
+        return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=200)
+
+    def runs():
+        return volume_dir(env, f"{name}_runs")
+
+    def states():
+        fmt = "{{.State.Status}} {{.State.ExitCode}}"
+        out = [
+            subprocess.run(["docker", "inspect", "-f", fmt, n], env=env, capture_output=True, text=True) for n in nodes
+        ]
+        return [o.stdout.strip() for o in out]
+
+    compose("down", "--volumes")
+    try:
+        assert compose("up", "-d", "--no-build").returncode == 0
+        wait_for(
+            lambda: runs() and any(r["event"] == "train" for r in jsonl(runs() / "metrics.jsonl")), 180, "training"
+        )
+        assert compose("kill", "-s", sig.name).returncode == 0
+        wait_for(lambda: all(s.startswith("exited") for s in states()), 180, "both nodes to exit")
+        assert states() == ["exited 75", "exited 75"], compose("logs", "--no-color").stdout[-4000:]
+        (preempted,) = [r for r in jsonl(runs() / "metrics.jsonl") if r["event"] == "preempted"]
+        saved = [s for s, p in catalogue.list_steps(runs() / "checkpoints") if catalogue.verify(p) is None]
+        assert saved == [preempted["step"]] and preempted["signal"] == sig, saved
+    finally:
+        compose("down", "--volumes", "--timeout", "5")
+
+
+def test_compose_nodes_without_a_shared_volume_resume_from_s3_bitwise(tmp_path, docker_env, monkeypatch):
+    """compose.s3.yaml as documented: 2 nodes, each with its own run dir (no volume), checkpoints in a
+    bucket of a real S3 server (SeaweedFS on the Docker bridge's address), credentials from the
+    environment. `docker compose stop` checkpoints to the bucket and exits 75 on both nodes; `up` in
+    new containers (nothing local survives) resumes from the bucket, and the final weights equal an
+    uninterrupted run's bitwise."""
+    name, max_steps = "ddpjob-e2e-s3", 30
+    bridge = subprocess.run(
+        ["docker", "network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Gateway}}"],
+        env=docker_env,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    server = S3Server(tmp_path / "s3", ip=bridge).start()
+    for key, value in server.env().items():  # for this process's reads of the bucket
+        monkeypatch.setenv(key, value)
+    shutil.copy(REPO / "compose.s3.yaml", tmp_path / "compose.s3.yaml")
+    (tmp_path / "compose.test.yaml").write_text(  # the slow data plug-in: a job long enough to stop
+        f"services:\n  node:\n    volumes: ['{REPO}/tests/e2e/plugins:/plugins:ro']\n"
+        "    environment: {PYTHONPATH: /plugins}\n"
+    )
+    job = (
+        "DDPJOB_NNODES=2\nDDPJOB_DATA=slow_digits:digits(delay=0.02)\nDDPJOB_EPOCHS=10\n"
+        f"DDPJOB_MAX_STEPS={max_steps}\nDDPJOB_LOG_EVERY=1\nDDPJOB_SAVE_EVERY=0\nDDPJOB_STOP_CHECK_EVERY=1\n"
+        "OMP_NUM_THREADS=1\n"
+    )
+    files = ["compose.yaml", "compose.s3.yaml", "compose.test.yaml"]
+    cmd = [*compose_project(tmp_path, name, job), *(a for f in files for a in ("-f", str(tmp_path / f)))]
+    env = {**docker_env, **server.env(), "COMPOSE_PROJECT_NAME": name}
+    nodes = [f"{name}-node-1", f"{name}-node-2"]
+    whole, split = f"s3://{BUCKET}/whole", f"s3://{BUCKET}/split"
+
+    def compose(*args, timeout=200):
+        return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+    def prefix(url):  # the job's checkpoint dir, in the .env compose.s3.yaml reads it from
+        (tmp_path / ".env").write_text(f"{job}DDPJOB_CHECKPOINT_DIR={url}\n")
+
+    def steps(url):
+        return sorted(s for s, _ in catalogue.complete(storage.location(url)))
+
+    def inspect(fmt):
+        out = [
+            subprocess.run(["docker", "inspect", "-f", fmt, n], env=env, capture_output=True, text=True) for n in nodes
+        ]
+        return [o.stdout.strip() for o in out]
+
+    def logs():
+        out = compose("logs", "--no-color")
+        return (out.stdout + out.stderr)[-6000:]
+
+    def records():  # the metrics records in the nodes' own run dirs (rank 0's holds them)
+        found = []
+        for node in nodes:
+            got = subprocess.run(["docker", "cp", f"{node}:/runs/metrics.jsonl", "-"], env=env, capture_output=True)
+            if got.returncode == 0:  # a tar stream of the one file
+                with tarfile.open(fileobj=io.BytesIO(got.stdout)) as tar:
+                    text = tar.extractfile("metrics.jsonl").read().decode()  # type: ignore[union-attr]
+                found += [json.loads(line) for line in text.split("\n")[:-1]]  # whole lines only
+        return found
+
+    def trained_or_exited():
+        if any(r["event"] == "train" and r["step"] >= 3 for r in records()):
+            return "trained"
+        return next((s for s in inspect("{{.State.Status}}") if s == "exited"), None)
+
+    compose("down", "--volumes")
+    try:
+        prefix(whole)
+        once = compose("up", "--no-build", "--abort-on-container-failure", timeout=400)
+        assert once.returncode == 0, (once.stdout + once.stderr)[-4000:]
+        assert steps(whole) == [max_steps]
+        assert server.env()["AWS_SECRET_ACCESS_KEY"] not in once.stdout + once.stderr
+        compose("down", "--timeout", "5")
+
+        prefix(split)
+        up = compose("up", "-d", "--no-build")
+        assert up.returncode == 0, up.stdout + up.stderr
+        mounts = "{{range .Mounts}}{{.Type}}:{{.Destination}}:{{.RW}} {{end}}"
+        assert inspect(mounts) == ["bind:/plugins:false"] * 2  # no volume: each node's /runs is its own
+        try:
+            trained = wait_for(trained_or_exited, 180, "3 steps")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{logs()}") from None
+        assert trained == "trained", logs()
+        stop = compose("stop")  # TERM: both nodes checkpoint to the bucket and exit 75
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert inspect("{{.State.Status}} {{.State.ExitCode}}") == ["exited 75", "exited 75"], logs()
+        (preempted,) = steps(split)
+        assert 0 < preempted < max_steps, preempted
+
+        again = compose("up", "--no-build", "--force-recreate", "--abort-on-container-failure", timeout=400)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+        # New containers: their run dirs begin with this start, which resumed from the bucket.
+        starts = [r for r in records() if r["event"] == "start"]
+        assert starts and all(r["step"] == preempted for r in starts), starts
+        assert all(r["resumed_from"] == f"{split}/step-{preempted}.pt" for r in starts), starts
+        assert steps(split)[-1] == max_steps
+        name_ = f"step-{max_steps}.pt"
+        assert_bitwise_equal(
+            single_file.read(storage.location(f"{whole}/{name_}"))["model"],
+            single_file.read(storage.location(f"{split}/{name_}"))["model"],
+        )
+    finally:
+        compose("down", "--volumes", "--timeout", "5")
+        server.stop()

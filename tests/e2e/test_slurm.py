@@ -12,16 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import launch
+from ddpjob.checkpoint import catalogue
 from ddpjob.distenv import expand_hostlist
+from ddpjob.launch import agent
+from ddpjob.train.stop_signal import STOP_SIGNALS
 from e2e import REPO, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
+# This cluster's nodes have no GPUs; the batch scripts ask for 8 per node (sbatch's options win).
+CPU_NODES = ("--gpus-per-node=0",)
+
+
 def sbatch(env, *args, options=(), script="slurm/train.sbatch"):
     out = subprocess.run(
-        ["sbatch", "--parsable", *options, script, *args],
+        ["sbatch", "--parsable", *CPU_NODES, *options, script, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -77,12 +83,18 @@ def scancel(env, *args):
     subprocess.run(["scancel", *args], env=env, check=True)
 
 
+def end_for_good(env, job_id):
+    """docs/clusters.md's way to end a job that requeues on TERM: not requeueable, then scancel."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"], env=env, capture_output=True)
+    subprocess.run(["scancel", job_id], env=env)
+
+
 @pytest.fixture
 def cleanup(slurm_env):
     jobs = []
     yield jobs
     for job_id in jobs:
-        subprocess.run(["scancel", job_id], env=slurm_env)  # every task of an array; a no-op once it ended
+        end_for_good(slurm_env, job_id)  # every task of an array; a no-op once it ended
         wait_for(lambda j=job_id: all_finished(slurm_env, j), 120, f"job {job_id} to end after scancel")
         for name in {job_id, *job_tasks(slurm_env, job_id).values()}:
             shutil.rmtree(run_dir(name), ignore_errors=True)
@@ -183,8 +195,8 @@ def test_the_host_list_parser_agrees_with_scontrol_show_hostnames(slurm_env, nod
 def test_a_suffix_this_scontrol_rejects_falls_back_to_the_parser(slurm_env, monkeypatch):
     """Slurm 22.05's scontrol says "Invalid hostlist" (exit 0) for `node[01-02]-ib`; launch then parses it."""
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
-    assert launch.slurm_first_host("node[01-02]-ib") == "node01-ib"
-    assert launch.slurm_first_host("node[2-3],node1") == "node2"
+    assert agent.slurm_first_host("node[01-02]-ib") == "node01-ib"
+    assert agent.slurm_first_host("node[2-3],node1") == "node2"
 
 
 def test_scancel_term_to_every_process_checkpoints_once_and_exits_75(slurm_env, cleanup):
@@ -213,6 +225,25 @@ def test_scancel_term_to_every_process_checkpoints_once_and_exits_75(slurm_env, 
     wait_for(lambda: not processes_of(job_id), 30, f"every process of job {job_id} to exit")
 
 
+@pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
+def test_scancel_with_each_stop_signal_exits_75_with_a_verified_checkpoint_of_the_stop(slurm_env, cleanup, sig):
+    """The stop-path table's Slurm rows (tests/test_stop_paths.py): `scancel --signal=SIG JOB` to every
+    process of the step, for each signal ddpjob stops on: one verified checkpoint of the stop step,
+    exit 75 on every node, and attempts.jsonl agrees."""
+    job_id = sbatch(slurm_env, "--epochs", "40", "--log-every", "20", "--save-every", "0")
+    cleanup.append(job_id)
+    training(job_id)
+    scancel(slurm_env, f"--signal={sig.name.removeprefix('SIG')}", job_id)
+    wait_for(lambda: finished(slurm_env, job_id), 240, f"job {job_id} to stop")
+    out = output(job_id)
+    assert job(slurm_env, job_id)["ExitCode"] == "75:0", out[-3000:]
+    preempted = assert_one_checkpoint_at_the_stop(job_id)
+    assert preempted["signal"] == sig
+    assert catalogue.verify(run_dir(job_id) / f"checkpoints/step-{preempted['step']}.pt") is None
+    ends = [r for r in records(run_dir(job_id) / "attempts.jsonl") if r["event"] == "end"]
+    assert sorted(r["node_rank"] for r in ends) == [0, 1] and all(r["exit_code"] == 75 for r in ends), ends
+
+
 def test_preemption_usr1_to_the_script_and_term_to_every_process_checkpoints_once_and_resumes(slurm_env, cleanup):
     """A preemption warning (USR1 to the batch script, as --signal=B:USR1 sends it) followed at once by
     TERM to every process of the step: one checkpoint, exit 75, requeue, resume at that step."""
@@ -226,6 +257,9 @@ def test_preemption_usr1_to_the_script_and_term_to_every_process_checkpoints_onc
     wait_for(lambda: [r for r in records(metrics) if r["event"] == "start"][1:], 300, "the requeued job to start")
     resumed = [r for r in records(metrics) if r["event"] == "start"][1]
     assert resumed["step"] == preempted["step"] > 0
+    end_for_good(slurm_env, job_id)  # a plain scancel would requeue it again (TERM)
+    wait_for(lambda: job(slurm_env, job_id).get("JobState") == "CANCELLED", 120, "the job to end, cancelled")
+    assert job(slurm_env, job_id)["Restarts"] == "1"
     assert resumed["resumed_from"].endswith(f"step-{preempted['step']}.pt")
     assert "requeueing job" in output(job_id)
 
@@ -242,6 +276,9 @@ def test_a_cluster_that_only_sends_term_requeues_with_requeue_on_term(slurm_env,
     wait_for(lambda: [r for r in records(metrics) if r["event"] == "start"][1:], 300, "the requeued job to start")
     resumed = [r for r in records(metrics) if r["event"] == "start"][1]
     assert resumed["step"] == preempted["step"] > 0
+    end_for_good(slurm_env, job_id)  # a plain scancel would requeue it again (TERM)
+    wait_for(lambda: job(slurm_env, job_id).get("JobState") == "CANCELLED", 120, "the job to end, cancelled")
+    assert job(slurm_env, job_id)["Restarts"] == "1"
 
 
 def test_an_array_task_requeues_only_itself(slurm_env, cleanup):

@@ -219,3 +219,20 @@ class PartlyUsed(nn.Module):
 
 def partly_used() -> nn.Module:
     return PartlyUsed()
+
+
+def cross_entropy_marked(output: torch.Tensor, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Cross-entropy on (input, label) batches, with an extra metric that shows this loss was used."""
+    return nn.functional.cross_entropy(output, batch[1]), {"marked": 1.0}
+
+
+_TRAINING_LOSSES = [0]  # the losses computed for training in this process
+
+
+def failing_loss(output: torch.Tensor, batch: Any, at: int) -> torch.Tensor:
+    """Cross-entropy that raises in training's ``at``-th micro-batch, on every rank: a user's bug mid-run."""
+    if torch.is_grad_enabled():
+        _TRAINING_LOSSES[0] += 1
+        if _TRAINING_LOSSES[0] == at:
+            raise ValueError(f"the user's loss failed in micro-batch {at}")
+    return nn.functional.cross_entropy(output, batch[1])

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpjob.distenv import resolve
-from ddpjob.stragglers import Stragglers
+from ddpjob.train.stragglers import Stragglers
 
 
 def trained(hooked: bool) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Test plug-ins: an IterableDataset of sharded sample files, as a user would write one (streams.py's contract).
+"""Test plug-ins: an IterableDataset of sharded sample files, as a user would write one (train/feeds.py's contract).
 
 ``write_shards(folder, sizes)`` writes the digits training samples into files of the given sizes;
 ``sharded(folder)`` streams them: rank r reads files r, r + world, ...; within a rank, worker w its
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ddpjob import plugins, rng
+from ddpjob import plugins
+from ddpjob.train import rng
 
 
 class ShardedFiles(IterableDataset):

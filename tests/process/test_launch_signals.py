@@ -1,0 +1,156 @@
+"""Stop signals on Slurm's path, with real processes: `scancel`, preemption and train.sbatch's forward
+signal every process of the step, so the workers get each signal directly as well as from torchrun's
+agent in `ddpjob launch`, and the agent gets several. Workers checkpoint once and exit 75; launch
+waits for them (within --shutdown-timeout) and reports 75 only when the checkpoint of the stop step
+verifies on disk, else the workers' own code."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import PYTHONPATH, alive, ddpjob, ok, records, spawn, trained_steps, wait_until, workers_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+# 128 steps per epoch per rank; a stop is agreed at a multiple of --stop-check-every (within two):
+# with 100, the workers take a second or more to stop after a signal, and further signals land then.
+JOB = [
+    "--nproc-per-node",
+    "2",
+    "--model",
+    "ddpjob.plugins:synthetic_mlp(width=512)",
+    "--data",
+    "ddpjob.plugins:synthetic(samples=8192)",
+    "--log-every",
+    "5",
+    "--save-every",
+    "0",
+]
+
+
+def signal_step(pids: list[int], sig: signal.Signals) -> None:
+    """What Slurm does to a job step: the signal to every process of it."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def start(work: Path, *args: str, **env: str) -> tuple[subprocess.Popen[str], list[int]]:
+    agent = spawn(["launch", *JOB, *args], work, **env)
+    wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 20, 120, "training to start")
+    workers = workers_of(agent.pid)
+    assert len(workers) == 2, workers
+    return agent, workers
+
+
+def saved_files(work: Path) -> list[str]:
+    return sorted(p.name for p in (work / "runs/ddpjob/checkpoints").glob("step-*.pt"))
+
+
+def test_slurm_preemption_signals_every_process_repeatedly_one_checkpoint_exit_75_and_resume(work):
+    run_dir = work / "runs/ddpjob"
+    agent, workers = start(work, "--epochs", "3", "--stop-check-every", "100")
+    # --signal=B:USR1 forwarded by train.sbatch, then scancel / preemption's TERM and sbatch's forward
+    # of it: each to the agent and to every worker, while the workers are still on their way to stop.
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGTERM):
+        signal_step([agent.pid, *workers], sig)
+        time.sleep(0.2)
+    out = agent.communicate(timeout=180)[0]
+    left = [pid for pid in workers if alive(pid)]
+    assert agent.returncode == 75, out[-3000:]
+    assert not left, f"workers {left} outlived launch"
+    (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
+    assert saved_files(work) == [f"step-{stop['step']}.pt"] and out.count("[ddpjob] saved ") == 1, out[-3000:]
+    assert f"at step {stop['step']}, and its checkpoint" in out and "is verified (exit 75)" in out
+
+    ok(ddpjob(["launch", *JOB, "--epochs", "3", "--max-steps", str(stop["step"] + 10)], work, timeout=300))
+    starts = [r for r in records(run_dir) if r["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["step"] == stop["step"] and starts[1]["resumed_from"]
+
+
+def test_workers_that_fail_to_checkpoint_on_a_stop_signal_give_launch_their_exit_code(work):
+    agent, workers = start(work, "--epochs", "3", "--stop-check-every", "100")
+    ckpt = work / "runs/ddpjob/checkpoints"
+    ckpt.rename(ckpt.with_name("moved"))
+    ckpt.write_text("the save at the stop cannot create a file here")  # works as root too, unlike chmod
+    for _ in range(2):
+        signal_step([agent.pid, *workers], signal.SIGTERM)
+        time.sleep(0.2)
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 3, out[-3000:]
+    assert "cannot write checkpoint" in out and "exited with 3" in out, out[-3000:]
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def test_workers_that_do_not_stop_are_killed_after_the_shutdown_timeout_and_launch_says_so(work):
+    # A stop is only agreed every 10**6 steps: the workers train on after the signal.
+    agent, workers = start(work, "--epochs", "100", "--stop-check-every", "1000000", "--shutdown-timeout", "4")
+    sent = time.monotonic()
+    for _ in range(3):  # later signals must not cut launch's wait short
+        signal_step([agent.pid], signal.SIGTERM)
+        time.sleep(0.5)
+    out = agent.communicate(timeout=60)[0]
+    waited = time.monotonic() - sent
+    assert agent.returncode == 128 + signal.SIGKILL, out[-3000:]
+    assert 4 <= waited < 4 + 15, waited
+    assert "--shutdown-timeout" in out and not [pid for pid in workers if alive(pid)], out[-3000:]
+
+
+LATE_SIGNAL = """
+import os
+if "LOCAL_RANK" in os.environ:  # the workers, not launch
+    import signal, time
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def late_signal_then_destroy(*args, **kwargs):  # called once the loop has stopped and saved
+        os.kill(os.getpid(), signal.SIGTERM)  # the forward from train.sbatch, arriving late
+        time.sleep(0.3)
+        return destroy(*args, **kwargs)
+
+    dist.destroy_process_group = late_signal_then_destroy
+"""
+
+
+def test_a_stop_signal_after_the_checkpoint_does_not_kill_the_worker(work, tmp_path_factory):
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(LATE_SIGNAL)
+    agent, workers = start(work, "--epochs", "3", "--stop-check-every", "5", PYTHONPATH=f"{site}:{PYTHONPATH}")
+    signal_step([agent.pid, *workers], signal.SIGTERM)
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 75, out[-3000:]
+    assert out.count("[ddpjob] saved ") == 1 and not [pid for pid in workers if alive(pid)]
+
+
+SLOW_EXIT = """
+import os
+if os.environ.get("RANK") == "1":  # one worker, not launch
+    import time
+    import torch.distributed as dist
+
+    def slow_destroy(*args, **kwargs):  # after the stop's checkpoint is sealed and agreed
+        time.sleep(60)
+
+    dist.destroy_process_group = slow_destroy
+"""
+
+
+def test_a_worker_killed_after_the_stop_checkpoint_was_sealed_leaves_exit_75(work, tmp_path_factory):
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(SLOW_EXIT)
+    agent, workers = start(
+        work, "--epochs", "3", "--stop-check-every", "5", "--shutdown-timeout", "3", PYTHONPATH=f"{site}:{PYTHONPATH}"
+    )
+    agent.send_signal(signal.SIGTERM)
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 75, out[-3000:]
+    last = out.strip().splitlines()[-1]  # rank 1 killed (137); rank 0's exit may wait on it and be killed too
+    assert re.search(r"is verified \(exit 75\); exit codes by local rank: (75|137), 137$", last), out[-3000:]
+    assert not [pid for pid in workers if alive(pid)]

@@ -1,0 +1,261 @@
+"""The stop-path table. Invariant: `ddpjob launch` exits 75 ("stopped with a checkpoint, requeue me")
+if and only if a verified checkpoint of the step where training stopped exists; any other exit
+code comes with a last line that says what was lost, and attempts.jsonl's last record agrees.
+
+Rows are generated from the code: each signal of ``preempt.STOP_SIGNALS`` (what the workers stop
+on and what launch has torchrun forward) and TERM sent twice, crossed with where it is sent (to
+`ddpjob launch`, to one worker), how the stop's save goes (succeeds; fails on a full disk with
+--on-save-error warn; the same with fail; slower than --save-timeout) and the checkpoint format
+(file, dcp). The full product, 6 x 2 x 4 x 2 = 96 runs of a two-worker job, is too slow for two
+cores: the table walks a pairwise cover of it (every pair of values of any two columns is in some
+row; every signal, place, save outcome and format appears), 24 rows with today's five signals.
+Besides the table: a signal while the workers set up (nothing trained: not 75) and one after
+training finished (exit 0 stays 0), for every handled signal.
+"""
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from ddpjob.checkpoint import catalogue
+from ddpjob.train.stop_signal import STOP_SIGNALS
+from helpers import PYTHONPATH, alive, rank_of, records, spawn, trained_steps, wait_until, workers_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+SIGNALS = [*(s.name for s in STOP_SIGNALS), "SIGTERM twice"]
+PLACES = ["launch", "one worker"]
+SAVES = ["ok", "full disk, warn", "full disk, fail", "slower than --save-timeout"]
+FORMATS = ["file", "dcp"]
+
+
+def pairwise(*columns: Sequence[str]) -> list[tuple[str, ...]]:
+    """Rows of the product of columns, chosen greedily until every pair of values of any two
+    columns is in a row (the first column's values in order, for a readable table)."""
+    pairs = {
+        ((i, a), (j, b))
+        for i, j in itertools.combinations(range(len(columns)), 2)
+        for a in columns[i]
+        for b in columns[j]
+    }
+
+    def covers(row: tuple[str, ...]) -> set:
+        return {((i, row[i]), (j, row[j])) for i, j in itertools.combinations(range(len(row)), 2)} & pairs
+
+    rows = []
+    candidates = list(itertools.product(*columns))
+    while pairs:
+        best = max(candidates, key=lambda row: len(covers(row)))
+        rows.append(best)
+        pairs -= covers(best)
+    return sorted(rows, key=lambda row: [list(c).index(v) for c, v in zip(columns, row, strict=True)])
+
+
+TABLE = pairwise(SIGNALS, PLACES, SAVES, FORMATS)
+
+
+def test_the_table_holds_every_pair_of_values_of_any_two_columns():
+    columns = (SIGNALS, PLACES, SAVES, FORMATS)
+    for i, j in itertools.combinations(range(len(columns)), 2):
+        assert {(row[i], row[j]) for row in TABLE} == set(itertools.product(columns[i], columns[j]))
+    assert len(TABLE) == len(SIGNALS) * len(SAVES)  # the least a pairwise cover can be: 24 with five signals
+
+
+def job(save: str, fmt: str) -> list[str]:
+    slow = save.startswith("slower")
+    return [
+        "--nproc-per-node",
+        "2",
+        "--model",
+        f"tests.plugins.slow_save:model(seconds={10 if slow else 0},width=256)",
+        "--data",
+        "ddpjob.plugins:synthetic(samples=8192)",
+        "--epochs",
+        "3",
+        "--log-every",
+        "5",
+        "--save-every",
+        "0",
+        "--stop-check-every",
+        "5",
+        "--checkpoint-format",
+        fmt,
+        "--on-save-error",
+        "warn" if save.endswith("warn") else "fail",
+        *(["--save-timeout", "3"] if slow else []),
+    ]
+
+
+@contextlib.contextmanager
+def full_disk(directory: Path) -> Iterator[None]:
+    """A 64 KiB tmpfs over directory: every checkpoint write fails with ENOSPC."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(directory)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def send(pid: int, name: str) -> None:
+    sig = signal.Signals[name.split()[0]]
+    for _ in range(2 if name.endswith("twice") else 1):
+        os.kill(pid, sig)
+        time.sleep(0.3)
+
+
+def verified_steps(directory: Path) -> list[int]:
+    """Steps of the checkpoints in directory that pass the project's own integrity check."""
+    return [step for step, path in catalogue.list_steps(directory) if catalogue.verify(path) is None]
+
+
+def last_line(out: str) -> str:
+    return [line for line in out.splitlines() if line.strip()][-1]
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+
+
+def assert_invariant(code: int, out: str, run_dir: Path, saved: list[int]) -> None:
+    stops = [r["step"] for r in records(run_dir) if r["event"] == "preempted"]
+    assert (code == 75) == bool(saved), f"exit {code} with verified checkpoints {saved}\n{out[-3000:]}"
+    if code == 75:
+        assert saved == stops, (saved, stops)  # the checkpoint is of the step where training stopped
+    else:
+        assert "lost" in last_line(out), f"exit {code}: the last line does not say what was lost\n{out[-3000:]}"
+    end = attempts(run_dir)[-1]
+    assert end["event"] == "end" and end["exit_code"] == code, end
+    assert code == 0 or end["reason"] in last_line(out), (end, last_line(out))
+
+
+@pytest.mark.parametrize(("sig", "place", "save", "fmt"), TABLE, ids=[" / ".join(row) for row in TABLE])
+def test_exit_75_if_and_only_if_the_stop_step_has_a_verified_checkpoint(work, sig, place, save, fmt):
+    if save.startswith("full disk") and os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs (root)")
+    run_dir = work / "runs/ddpjob"
+    ckpt = run_dir / "checkpoints"
+    agent = spawn(["launch", *job(save, fmt)], work)
+    try:
+        wait_until(lambda: trained_steps(run_dir) >= 10, 180, "training to start")
+        workers = workers_of(agent.pid)
+        target = agent.pid if place == "launch" else next(pid for pid in workers if rank_of(pid) == 1)
+        with full_disk(ckpt) if save.startswith("full disk") else contextlib.nullcontext():
+            send(target, sig)
+            out = agent.communicate(timeout=240)[0]
+            saved = verified_steps(ckpt)
+        assert not [pid for pid in workers if alive(pid)], "workers outlived launch"
+        assert_invariant(agent.returncode, out, run_dir, saved)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
+def test_a_stop_signal_while_the_workers_set_up_is_not_75(work, sig):
+    run_dir = work / "runs/ddpjob"
+    agent = spawn(["launch", *job("ok", "file")], work)
+    wait_until(lambda: len(workers_of(agent.pid)) == 2, 120, "the workers to start")
+    agent.send_signal(sig)
+    out = agent.communicate(timeout=180)[0]
+    assert_invariant(agent.returncode, out, run_dir, verified_steps(run_dir / "checkpoints"))
+    assert agent.returncode != 75 and not trained_steps(run_dir), out[-3000:]
+
+
+LATE_SIGNAL = """
+import os
+if os.environ.get("RANK") == "0":  # a worker, not launch
+    import signal, time
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def signal_then_destroy(*args, **kwargs):  # called once training has finished
+        os.kill(os.getppid(), signal.{name})  # to launch, which torchrun runs in-process
+        time.sleep(1)
+        return destroy(*args, **kwargs)
+
+    dist.destroy_process_group = signal_then_destroy
+"""
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
+def test_a_stop_signal_after_training_finished_keeps_exit_0(work, tmp_path_factory, sig):
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(LATE_SIGNAL.format(name=sig.name))
+    run_dir = work / "runs/ddpjob"
+    agent = spawn(["launch", *job("ok", "file"), "--max-steps", "5"], work, PYTHONPATH=f"{site}:{PYTHONPATH}")
+    out = agent.communicate(timeout=180)[0]
+    assert agent.returncode == 0, out[-3000:]
+    assert attempts(run_dir)[-1]["exit_code"] == 0 and "done: step 5" in out
+
+
+# Slowness the save's own checks cannot see: rank 0 seals the checkpoint after the other ranks gave
+# up waiting for it (--save-timeout 3). The exit code comes from verifying it on disk: 75.
+SLOW_FSYNC = """
+import os
+if os.environ.get("RANK") == "0":  # a worker, not launch
+    import glob, time
+    from ddpjob.checkpoint import atomic_fs
+
+    fsync_dir = atomic_fs.fsync_dir
+
+    def slow_fsync_dir(directory):  # the last step of a file save, after its manifest
+        if glob.glob(os.path.join(directory, "step-*.pt.sum")):
+            time.sleep(6)
+        return fsync_dir(directory)
+
+    atomic_fs.fsync_dir = slow_fsync_dir
+"""
+SLOW_SAVES = {  # a stop's save on rank 0 that ends sealed: (slow_save seconds, extra flags, sitecustomize)
+    "async, slower than --save-timeout": (10, ["--save-mode", "async"], ""),
+    "between 0.9 and 1 x --save-timeout": (2.85, [], ""),
+    "slow after the save's last check (fsync of the dir)": (0, [], SLOW_FSYNC),
+}
+
+
+@pytest.mark.parametrize("save", SLOW_SAVES)
+def test_a_stop_save_that_rank_0_seals_late_exits_75(work, tmp_path_factory, save):
+    seconds, flags, site = SLOW_SAVES[save]
+    env = {}
+    if site:
+        folder = tmp_path_factory.mktemp("site")
+        (folder / "sitecustomize.py").write_text(site)
+        env["PYTHONPATH"] = f"{folder}:{PYTHONPATH}"
+    args = [*job("ok", "file"), "--save-timeout", "3", *flags]
+    args[args.index("--model") + 1] = f"tests.plugins.slow_save:model(seconds={seconds},width=256)"
+    run_dir = work / "runs/ddpjob"
+    agent = spawn(["launch", *args], work, **env)
+    try:
+        wait_until(lambda: trained_steps(run_dir) >= 10, 180, "training to start")
+        workers = workers_of(agent.pid)
+        agent.send_signal(signal.SIGTERM)
+        out = agent.communicate(timeout=240)[0]
+        assert not [pid for pid in workers if alive(pid)], "workers outlived launch"
+        assert_invariant(agent.returncode, out, run_dir, verified_steps(run_dir / "checkpoints"))
+        assert agent.returncode == 75, out[-3000:]  # the checkpoint was sealed: nothing is lost
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+def test_a_stop_during_the_final_evaluation_is_75_with_the_last_steps_checkpoint(work):
+    """Training finished and its last step is checkpointed; a signal in the final evaluation outlasts
+    --shutdown-timeout and the workers are killed: nothing trained is lost, the next start evaluates."""
+    run_dir = work / "runs/ddpjob"
+    args = [*job("ok", "file"), "--max-steps", "10", "--shutdown-timeout", "3"]
+    args[args.index("--data") + 1] = "tests.plugins.slow_save:signal_in_eval(seconds=60)"
+    agent = spawn(["launch", *args], work)
+    out = agent.communicate(timeout=240)[0]
+    assert verified_steps(run_dir / "checkpoints") == [10], out[-3000:]
+    assert agent.returncode == 75 and "training finished at step 10" in last_line(out), out[-3000:]
+    assert attempts(run_dir)[-1]["exit_code"] == 75

@@ -1,0 +1,19 @@
+"""The unit tier runs in this process: a test that starts a process fails, and belongs in tests/process."""
+
+import multiprocessing.process
+import os
+import subprocess
+
+import pytest
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a unit test started a process: move it to tests/process/")
+
+
+@pytest.fixture(autouse=True)
+def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+    monkeypatch.setattr(os, "fork", _refuse)
+    monkeypatch.setattr(os, "posix_spawn", _refuse)

@@ -1,0 +1,446 @@
+"""`ddpjob launch`: scheduler detection from each scheduler's real env shape, and real launches."""
+
+import base64
+import datetime
+import os
+import pickle
+import shutil
+import threading
+import time
+
+import pytest
+
+from ddpjob.errors import UsageError
+from ddpjob.launch import agent
+from ddpjob.launch.rendezvous_watch import Joined, RendezvousWatch, decode_state
+from helpers import attempt_end, free_port
+from kubeflow_operator import trainer_v2_env
+from launch_cases import INDEXED, SLURM, config_and_plan
+
+KUBEFLOW = {
+    "PET_NNODES": "3",
+    "PET_NPROC_PER_NODE": "2",
+    "PET_NODE_RANK": "2",
+    "PET_MASTER_ADDR": "train-master-0",
+    "PET_MASTER_PORT": "23456",
+    "MASTER_ADDR": "train-master-0",
+    "MASTER_PORT": "23456",
+    "RANK": "2",
+    "WORLD_SIZE": "3",
+}
+
+
+@pytest.fixture
+def no_scontrol(monkeypatch):
+    """Without scontrol the head node keeps its name; the Slurm e2e test covers the lookup of its address."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (SLURM, ("slurm", 2, 1, "node1:24242", "slurm-4242", 1)),
+        (KUBEFLOW, ("kubeflow", 3, 2, "train-master-0:23456", "ddpjob", 2)),
+        (INDEXED, ("kubernetes", 2, 1, "ddpjob-0.ddpjob-nodes:29500", "ddpjob", 1)),
+        (trainer_v2_env("train", 3, 2, "2"), ("kubeflow", 3, 2, "train-node-0-0.train:29400", "ddpjob", 2)),
+        ({}, ("plain", 1, 0, "", "ddpjob", 1)),
+        (
+            {"DDPJOB_NNODES": "3", "DDPJOB_RDZV_ENDPOINT": "job-node-1"},
+            ("plain", 3, None, "job-node-1:29500", "ddpjob", 1),
+        ),
+        (
+            {"DDPJOB_NNODES": "2", "DDPJOB_NODE_RANK": "1", "DDPJOB_RDZV_ENDPOINT": "node0"},
+            ("plain", 2, 1, "node0:29500", "ddpjob", 1),
+        ),
+    ],
+)
+def test_detects_each_scheduler_from_its_env(env, expected, no_scontrol):
+    _, plan = config_and_plan(env)
+    assert (plan.scheduler, plan.nnodes, plan.node_rank, plan.endpoint, plan.rdzv_id, plan.nproc_per_node) == expected
+
+
+@pytest.mark.parametrize(
+    "given, endpoint",
+    [
+        ("[::1]", "[::1]:29500"),
+        ("[::1]:1234", "[::1]:1234"),
+        ("node1", "node1:29500"),
+        ("10.0.0.9:1234", "10.0.0.9:1234"),
+    ],
+)
+def test_an_endpoint_without_a_port_gets_the_default_one(given, endpoint):
+    cfg, plan = config_and_plan({}, ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", given])
+    assert plan.endpoint == endpoint
+    assert f"--rdzv-endpoint={endpoint}" in agent.torchrun_args(cfg, plan, [])
+
+
+def test_torchrun_arguments_for_a_multi_node_job(no_scontrol):
+    cfg, plan = config_and_plan(SLURM, ["--max-restarts", "3", "--rdzv-timeout", "60"])
+    args = agent.torchrun_args(cfg, plan, ["--epochs", "1"])
+    assert "--nnodes=2" in args and "--rdzv-backend=c10d" in args and "--rdzv-endpoint=node1:24242" in args
+    assert "--max-restarts=3" in args and "--rdzv-conf=is_host=0,join_timeout=60,read_timeout=60" in args
+    assert any(a.startswith("--signals-to-handle=") and "SIGUSR1" in a for a in args)
+    assert args[-5:] == ["-m", "ddpjob", "train", "--epochs", "1"]
+
+
+def test_a_worker_only_elastic_kubeflow_pod_leaves_its_rank_and_the_store_host_to_the_rendezvous():
+    env = {"PET_NNODES": "1:4", "PET_RDZV_ENDPOINT": "ddpjob-worker-0:23456", "PET_MAX_RESTARTS": "5"}
+    cfg, plan = config_and_plan(env)
+    args = agent.torchrun_args(cfg, plan, [])
+    assert plan.node_rank is None and "--nnodes=1:4" in args and "--max-restarts=5" in args
+    conf = next(a for a in args if a.startswith("--rdzv-conf="))
+    assert "is_host" not in conf and "last_call_timeout=10" in conf  # torchrun matches the endpoint to this pod
+
+
+def test_replicated_nodes_let_torchrun_find_the_rendezvous_host():
+    cfg, plan = config_and_plan({"DDPJOB_NNODES": "3", "DDPJOB_RDZV_ENDPOINT": "job-node-1"})
+    assert "--rdzv-conf=join_timeout=300,read_timeout=300" in agent.torchrun_args(cfg, plan, [])
+
+
+def test_single_node_without_endpoint_is_standalone():
+    cfg, plan = config_and_plan({})
+    assert "--standalone" in agent.torchrun_args(cfg, plan, [])
+
+
+class _Proc:
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+STOPPED = "training stopped on SIGTERM at step 40, and its checkpoint"
+
+
+@pytest.mark.parametrize(
+    "codes, on_disk, expected, words",
+    [
+        (None, "", 143, "before any worker started: nothing had trained in this attempt"),
+        ([75, 75], "verified", 75, STOPPED),
+        (
+            [3, 1],
+            "",
+            3,
+            "worker local rank 0 exited with 3: its log says why; no checkpoint of the stop: "
+            "the steps since the newest checkpoint are lost; exit codes by local rank: 3, 1",
+        ),
+        ([3, 1], "verified", 75, STOPPED),  # a rank gave up on rank 0, which sealed it after all
+        ([75, 75], "recorded", 3, "no verified checkpoint of step 40, where training stopped (there is no checkpoint"),
+        ([75, 75], "corrupt", 3, "its checkpoint fails verification (step-40.pt: checksum mismatch"),
+        (
+            [75, -9],
+            "recorded",
+            137,
+            "rank 1 exited with 137: SIGKILL: it did not stop within --shutdown-timeout (7 s), or the OOM killer; no "
+            "verified checkpoint of step 40",
+        ),
+        ([75, -9], "verified", 75, STOPPED),  # sealed, then a slow exit was killed
+        ([75, -15], "verified", 75, "is verified (exit 75); exit codes by local rank: 75, 143"),
+        ([-9, -9], "finished", 75, "training finished at step 40, and its checkpoint"),  # killed in the final eval
+        ([-15, -15], "", 143, "while the workers were setting up: nothing had trained in this attempt"),
+        ([0, 0], "verified", 0, "as the workers finished"),
+    ],
+)
+def test_after_a_stop_signal_launch_exits_75_iff_the_stop_steps_checkpoint_verifies(
+    tmp_path, codes, on_disk, expected, words
+):
+    import signal
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddpjob.checkpoint import stop_record
+    from ddpjob.checkpoint.formats import single_file
+
+    run_dir, ckpt = tmp_path / "run", tmp_path / "run/checkpoints"
+    ckpt.mkdir(parents=True)
+    if on_disk:
+        stop_record.record(run_dir, 40, 0 if on_disk == "finished" else signal.SIGTERM)
+    if on_disk in ("verified", "corrupt", "finished"):
+        single_file.save({"w": torch.ones(1000)}, ckpt / "step-40.pt")
+    if on_disk == "corrupt":
+        with open(ckpt / "step-40.pt", "r+b") as f:
+            f.seek(-100, 2)
+            f.write(b"x" * 10)
+    stops = agent.AgentSignals(7, run_dir, ckpt)
+    stops.count = 2
+    if codes is not None:
+        handlers = {rank: SimpleNamespace(proc=_Proc(code)) for rank, code in enumerate(codes)}
+        stops.pcontext = SimpleNamespace(subprocess_handlers=handlers)
+    code, reason = stops.outcome(signal.SIGTERM)
+    assert code == expected and words in reason and reason.startswith("got SIGTERM (and 1 more stop signals"), reason
+
+
+def _stored(state: object) -> bytes:
+    """The value torch's c10d rendezvous backend keeps in the store: base64 of a pickle."""
+    return base64.b64encode(pickle.dumps(state))
+
+
+def test_rendezvous_state_decodes_to_the_nodes_that_joined():
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    state = _RendezvousState()
+    state.participants = {_NodeDesc("node-a", 10, 0): 0, _NodeDesc("node-b", 11, 0): 1}
+    state.wait_list = {_NodeDesc("node-c", 12, 0)}
+    state.deadline = datetime.datetime.now(datetime.timezone.utc)
+    state.last_heartbeats = {n: datetime.datetime.now(datetime.timezone.utc) for n in state.participants}
+    nodes = frozenset({("node-a", 10, 0), ("node-b", 11, 0), ("node-c", 12, 0)})
+    assert decode_state(_stored(state)) == Joined(nodes, False)
+    assert decode_state(b"Y2FuaW1hZGFt") == Joined(frozenset(), False)  # written before any node joined
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_rendezvous_state_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError, match="unexpected"):
+        decode_state(_stored(_Payload()))
+    assert not (tmp_path / "pwned").exists()
+
+
+def _state(*hosts: str) -> bytes:
+    """A stored rendezvous state whose participants are one node on each of ``hosts``."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    state = _RendezvousState()
+    state.participants = {_NodeDesc(host, 4242, 0): i for i, host in enumerate(hosts)}
+    return _stored(state)
+
+
+def test_rendezvous_summary_counts_and_names_at_most_eight_hosts():
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 64, 300)  # nothing listens there yet
+    assert "no count of joined nodes: reading the state from 127.0.0.1" in watch.summary()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    store.set("torch.rendezvous.job", _state(*(f"n{i}" for i in range(10))))
+    watch.poll(timeout_s=5)
+    assert watch.summary() == "at least 10 of 64 nodes joined (n0, n1, n2, n3, n4, n5, n6, n7 and 2 more)"
+
+
+def test_rendezvous_count_keeps_the_nodes_it_saw_after_the_store_host_timed_out_and_left():
+    """The race, step by step on a real store: node 0 (the store host) reaches its join timeout
+    first, removes itself from the state, and its store goes away; node 1 reads in between. Node 1
+    still counts node 0, and says that its count is a lower bound ("at least")."""
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 3, 300)
+    store.set("torch.rendezvous.job", _state("node-0", "node-1"))
+    watch.poll(timeout_s=5)
+    store.set("torch.rendezvous.job", _state("node-1"))  # node 0 timed out: it leaves the state
+    watch.poll(timeout_s=5)
+    del store  # and its store goes away with it
+    watch.poll(timeout_s=1)
+    assert watch.summary() == "at least 2 of 3 nodes joined (node-0, node-1)"
+
+
+def test_rendezvous_watch_leaves_no_read_under_way_when_launch_goes_on_to_exit():
+    """A thread still inside torch's TCPStore connect when the interpreter shuts down aborts the
+    process (SIGABRT): a failed rendezvous exited 134 instead of 1. Leaving the watch ends its reads."""
+    with RendezvousWatch(f"127.0.0.1:{free_port()}", "job", 2, 2):  # nothing listens: every read fails
+        time.sleep(1.5)  # the first read, at 1 s, is under way
+    assert "ddpjob-rdzv-watch" not in [t.name for t in threading.enumerate()]
+
+
+def run_result(*codes: int) -> object:
+    """torch's RunResult of a failed worker group whose local ranks exited with `codes`."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {rank: ProcessFailure(rank, 1000 + rank, code, "") for rank, code in enumerate(codes)}
+    return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
+@pytest.mark.parametrize(
+    ("codes", "stopped"),
+    [((75, 75), True), ((75,), True), ((75, 1), False), ((1, 75), False), ((2, 75), False), ((1, 1), False)],
+)
+def test_a_group_is_stopped_with_a_checkpoint_only_when_every_failed_worker_exited_75(codes, stopped):
+    """A real failure beside a checkpointed stop must still spend a restart."""
+    from ddpjob.launch.restarts import stopped_with_checkpoint
+
+    assert stopped_with_checkpoint(run_result(*codes)) is stopped
+
+
+def test_a_rendezvous_that_keeps_failing_is_free_only_so_many_times_in_a_row(tmp_path):
+    """69 is retried without counting; a wrong endpoint, DNS name or blocked port never heals, so
+    the failures in a row (nothing trained between) past --rdzv-retries exit 1, which counts."""
+    from ddpjob.errors import EXIT_FAILED, EXIT_NO_RENDEZVOUS
+    from ddpjob.launch.restarts import no_rendezvous_exit
+
+    run = tmp_path / "run"
+    codes = []
+    for _ in range(5):
+        code, _ = no_rendezvous_exit(str(run), 1, "pod", limit=3)
+        codes.append(code)
+        attempt_end(run, 1, code, no_rendezvous=True)
+    assert codes == [EXIT_NO_RENDEZVOUS] * 3 + [EXIT_FAILED] * 2
+    attempt_end(run, 0, 69, no_rendezvous=True)  # another node's failures are its own
+    assert no_rendezvous_exit(str(run), 0, "pod", limit=3)[0] == EXIT_NO_RENDEZVOUS
+    attempt_end(run, 1, 75)  # it trained (and stopped with a checkpoint) since: the count starts again
+    code, line = no_rendezvous_exit(str(run), 1, "pod", limit=3)
+    assert code == EXIT_NO_RENDEZVOUS and line == ""
+    assert no_rendezvous_exit(str(run), 1, "pod", limit=0)[0] == EXIT_FAILED
+    # a node with no rank (replicated compose service) is told apart by its host
+    attempt_end(run, None, 69, no_rendezvous=True, host="a")
+    assert no_rendezvous_exit(str(run), None, "a", limit=1)[0] == EXIT_FAILED
+    assert no_rendezvous_exit(str(run), None, "b", limit=1)[0] == EXIT_NO_RENDEZVOUS
+
+
+def _nodes(*nodes: tuple[str, int]) -> bytes:
+    """A stored rendezvous state whose participants are ``(host, pid)`` nodes, each local id 0."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    state = _RendezvousState()
+    state.participants = {_NodeDesc(host, pid, 0): i for i, (host, pid) in enumerate(nodes)}
+    return _stored(state)
+
+
+def test_rendezvous_count_counts_a_restarted_node_once_and_never_more_than_the_job_has():
+    """A node's agent restarted (new pid) is the same node: the count stays a lower bound of node
+    slots. Nodes seen together on one host are distinct (many nodes may share localhost); a stale
+    entry beside its restart may still make one read show more than the job has: capped."""
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 3, 300)
+    store.set("torch.rendezvous.job", _nodes(("node-0", 100), ("node-1", 101)))
+    watch.poll(timeout_s=5)
+    store.set("torch.rendezvous.job", _nodes(("node-0", 200), ("node-1", 101)))  # node 0 restarted
+    watch.poll(timeout_s=5)
+    assert watch.summary() == "at least 2 of 3 nodes joined (node-0, node-1)"
+    store.set("torch.rendezvous.job", _nodes(("localhost", 1), ("localhost", 2), ("localhost", 3), ("node-1", 101)))
+    watch.poll(timeout_s=5)
+    assert watch.summary() == "at least 3 of 3 nodes joined (localhost, node-0, node-1)"
+
+
+def test_rendezvous_summary_of_a_state_nobody_joined_says_no_node_was_seen():
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 3, 300)
+    store.set("torch.rendezvous.job", b"Y2FuaW1hZGFt")
+    watch.poll(timeout_s=5)
+    assert watch.summary() == "no node of the 3 was seen to join"
+
+
+def test_rendezvous_summary_returns_when_the_store_host_accepts_connections_but_never_answers():
+    """torch's TCPStore connect ignores its timeout against such a host (blocked for minutes): the
+    summary of a failed rendezvous must not wait on it."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody answers
+        watch = RendezvousWatch(f"127.0.0.1:{silent.getsockname()[1]}", "job", 2, 300)
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.append(watch.summary()), daemon=True)
+        reader.start()
+        reader.join(timeout=30)  # a hang guard, not a speed figure: a bounded read takes a few seconds
+        assert said, "summary() blocked on a store that never answers"
+        assert said[0].startswith("no count of joined nodes: the store at 127.0.0.1:") and "did not answer" in said[0]
+
+
+def test_the_documented_stop_signals_are_handled_and_forwarded():
+    import signal
+
+    from ddpjob.train.stop_signal import STOP_SIGNALS
+
+    documented = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT}
+    assert set(STOP_SIGNALS) >= documented
+    assert set(agent.HANDLED_SIGNALS.split(",")) >= {s.name for s in documented}  # what torchrun forwards
+
+
+ELASTIC = ["--nnodes", "1:2", "--max-restarts", "2", "--rdzv-endpoint", "127.0.0.1:29999", "--node-rank", "0"]
+
+
+def test_an_elastic_launch_probes_the_data_factory_as_rank_0_of_1(monkeypatch):
+    """The factory runs in the agent as a worker would see it (RANK, WORLD_SIZE, LOCAL_RANK), so a
+    stream that needs them is still found; the agent's own environment is left as it was."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match="IterableDataset"):
+        config_and_plan({}, [*ELASTIC, "--data", "tests.plugins.rank_data:ranked_stream"])
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} & set(os.environ)
+
+
+def test_an_elastic_launch_whose_data_factory_fails_warns_that_it_could_not_check(capsys):
+    config_and_plan({}, [*ELASTIC, "--data", "tests.plugins.rank_data:failing"])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "--data" in line]
+    assert "could not check" in line and "the data server is down" in line
+
+
+def test_launch_dry_run_calls_no_data_factory(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TEST_DATA_CALLS", str(tmp_path / "calls"))
+    monkeypatch.chdir(tmp_path)
+    assert agent.main(["--dry-run", *ELASTIC, "--data", "tests.plugins.rank_data:recorded"]) == 0
+    assert "launch: torchrun" in capsys.readouterr().out
+    assert not (tmp_path / "calls").exists()
+
+
+def _stop_at_40(tmp_path):
+    import signal
+
+    from ddpjob.checkpoint import stop_record
+
+    run_dir, ckpt = tmp_path / "run", tmp_path / "run/checkpoints"
+    ckpt.mkdir(parents=True)
+    stop_record.record(run_dir, 40, signal.SIGTERM)
+    return run_dir, ckpt
+
+
+def _outcome(run_dir, ckpt, codes, fs_timeout):
+    import signal
+    from types import SimpleNamespace
+
+    stops = agent.AgentSignals(7, run_dir, ckpt, fs_timeout)
+    stops.pcontext = SimpleNamespace(
+        subprocess_handlers={r: SimpleNamespace(proc=_Proc(c)) for r, c in enumerate(codes)}
+    )
+    return stops.outcome(signal.SIGTERM)
+
+
+def test_a_node_whose_storage_lags_waits_up_to_fs_timeout_for_the_checkpoint_its_workers_saved(tmp_path):
+    """Multi-node on NFS: rank 0 (another node) sealed step 40 and every worker here exited 75, but
+    this node's view shows the checkpoint only later. Launch waits for it, and exits 75."""
+    import torch
+
+    from ddpjob.checkpoint.formats import single_file
+
+    run_dir, ckpt = _stop_at_40(tmp_path)
+    elsewhere = tmp_path / "node0-view"
+    elsewhere.mkdir()
+    single_file.save({"w": torch.ones(1000)}, elsewhere / "step-40.pt")
+
+    def catch_up():  # the data first, the manifest last, as a lagging client sees them
+        time.sleep(1.5)
+        shutil.copyfile(elsewhere / "step-40.pt", ckpt / "step-40.pt")
+        manifest = single_file.manifest_path(elsewhere / "step-40.pt")
+        shutil.copyfile(manifest, ckpt / manifest.name)
+
+    lag = threading.Thread(target=catch_up)
+    lag.start()
+    try:
+        code, reason = _outcome(run_dir, ckpt, [75, 75], fs_timeout=60)
+    finally:
+        lag.join()
+    assert code == 75 and "step-40.pt is verified" in reason, reason
+
+
+def test_a_node_whose_worker_failed_its_save_does_not_wait_for_the_checkpoint(tmp_path, monkeypatch):
+    from ddpjob.checkpoint import stop_record
+
+    def no_wait(seconds):
+        raise AssertionError(f"waited {seconds} s for a checkpoint a worker failed to save")
+
+    monkeypatch.setattr(stop_record.time, "sleep", no_wait)
+    run_dir, ckpt = _stop_at_40(tmp_path)
+    code, reason = _outcome(run_dir, ckpt, [75, 3], fs_timeout=60)
+    assert code == 3 and "no verified checkpoint of step 40" in reason, reason
