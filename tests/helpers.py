@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ PY = sys.executable
 FAST = ["--epochs", "2", "--log-every", "1000"]
 # This checkout's package first (not whichever ddpjob the venv has installed), then the repo for examples.*
 PYTHONPATH = f"{REPO / 'src'}:{REPO}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ports import free_ports
+
 BUCKET = "ddpjob"
 KEY, SECRET = "ddpjob-test-key", "ddpjob-test-secret-never-printed"
 # Every listening port weed mini opens gets a free one: other developers run the same server.
@@ -45,19 +47,6 @@ def weed() -> str | None:
     """The weed binary: beside this interpreter (a venv's bin/), else on PATH."""
     here = Path(sys.executable).parent / "weed"
     return str(here) if here.is_file() else shutil.which("weed")
-
-
-def free_ports(count: int, ip: str = "127.0.0.1") -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((ip, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass

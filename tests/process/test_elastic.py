@@ -15,18 +15,8 @@ import torch
 from ddpjob.checkpoint import catalogue
 from ddpjob.checkpoint.formats import dcp_folder, single_file
 from ddpjob.train import rng
-from helpers import (
-    ddpjob,
-    free_port,
-    lr_by_step,
-    ok,
-    records,
-    samples_by_step,
-    spawn,
-    torchrun,
-    trained_steps,
-    wait_until,
-)
+from helpers import ddpjob, lr_by_step, ok, records, samples_by_step, spawn, torchrun, trained_steps, wait_until
+from ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

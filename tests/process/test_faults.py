@@ -21,7 +21,6 @@ from helpers import (
     clean_env,
     ddpjob,
     final_params,
-    free_port,
     ok,
     plain_env_ranks,
     records,
@@ -30,6 +29,7 @@ from helpers import (
     wait_until,
     workers_of,
 )
+from ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 # Slow enough per step that a signal lands mid-epoch: 128 steps per epoch per rank.

@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from ddpjob.checkpoint.formats import hf_safetensors, single_file
 from ddpjob.train import setup
-from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, free_port, ok, torchrun, wait_until
+from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, ok, torchrun, wait_until
+from ports import free_port
 
 SHORT = ["--epochs", "1", "--log-every", "1000"]
 

@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from ddpjob.errors import UsageError
-from helpers import FAST, attempt_end, clean_env, ddpjob, free_port, ok, spawn
+from helpers import FAST, attempt_end, clean_env, ddpjob, ok, spawn
 from launch_cases import INDEXED, SLURM, config_and_plan
+from ports import free_port
 
 pytestmark = pytest.mark.serial  # timing-sensitive: `make process` runs it alone
 

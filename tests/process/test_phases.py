@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ddpjob, free_port, ok, plain_env_ranks, spawn
+from helpers import ddpjob, ok, plain_env_ranks, spawn
+from ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, clean_env, ddpjob, free_port
+from helpers import PY, clean_env, ddpjob
+from ports import free_port
 
 pytestmark = pytest.mark.serial  # timing-sensitive: `make process` runs it alone
 

@@ -22,7 +22,6 @@ from helpers import (
     clean_env,
     ddpjob,
     final_params,
-    free_port,
     ok,
     plain_env_ranks,
     records,
@@ -32,6 +31,7 @@ from helpers import (
     wait_until,
     workers_of,
 )
+from ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 SHORT = ["--epochs", "3", "--log-every", "1000"]

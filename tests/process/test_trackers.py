@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from ddpjob.train.trackers import QUEUE_SIZE, Tracker, is_local_store
-from helpers import PY, clean_env, ddpjob, free_port, ok, records, spawn, torchrun, trained_steps, wait_until
+from helpers import PY, clean_env, ddpjob, ok, records, spawn, torchrun, trained_steps, wait_until
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 # ~0.13 s per step (a sleep per sample fetched): the tracker starts, and a signal lands, mid-run.

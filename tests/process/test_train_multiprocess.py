@@ -14,12 +14,12 @@ from helpers import (
     clean_env,
     ddpjob,
     final_params,
-    free_port,
     ok,
     plain_env_ranks,
     spawn,
     torchrun,
 )
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 

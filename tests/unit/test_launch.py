@@ -13,9 +13,10 @@ import pytest
 from ddpjob.errors import UsageError
 from ddpjob.launch import agent
 from ddpjob.launch.rendezvous_watch import Joined, RendezvousWatch, decode_state
-from helpers import attempt_end, free_port
+from helpers import attempt_end
 from kubeflow_operator import trainer_v2_env
 from launch_cases import INDEXED, SLURM, config_and_plan
+from ports import free_port
 
 KUBEFLOW = {
     "PET_NNODES": "3",
