@@ -48,6 +48,23 @@ def test_a_url_without_its_library_is_one_line_naming_the_extra(monkeypatch):
             call("s3://b/x")
 
 
+def test_a_store_is_reused_only_while_its_endpoint_and_credentials_stay_the_same(monkeypatch):
+    """One process that checkpoints to one endpoint and then to another (a tool, a test session) must
+    reach the second: a store kept per protocol alone kept talking to the first, long gone."""
+    pytest.importorskip("s3fs")
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1001")
+    first = storage.fsspec_storage("s3://b/x")
+    assert storage.fsspec_storage("s3://other/y") is first  # the same settings: one store
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1002")
+    second = storage.fsspec_storage("s3://b/x")
+    assert second is not first
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1001")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "another key")
+    assert storage.fsspec_storage("s3://b/x") not in (first, second)
+
+
 def test_an_unknown_protocol_is_one_line():
     with pytest.raises(UsageError, match="unknown protocol 'nosuch'"):
         storage.argument("nosuch://b/x")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import logging
 import os
@@ -423,14 +424,25 @@ def resolve_endpoint(folder: ObjectPath) -> None:
         ) from None
 
 
-_STORES: dict[str, FsspecStorage] = {}
+_STORES: dict[tuple[str, str], FsspecStorage] = {}
+# The environment variables that configure a store beyond its URL: endpoint, region, credentials
+# and profile of S3 (botocore), GCS and Azure.
+STORE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "AZURE_")
+
+
+def store_settings() -> str:
+    """A digest of the store variables now set: a store is reused only while they stay the same, so
+    a process whose endpoint or key changes (a tool, a test) never talks to the previous endpoint."""
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(STORE_ENV_PREFIXES))
+    return hashlib.sha256(repr(settings).encode()).hexdigest()
 
 
 def fsspec_storage(url: str) -> FsspecStorage:
-    """The FsspecStorage for url's protocol (one per process); UsageError, one line naming what to
-    install, when its library is missing."""
+    """The FsspecStorage for url's protocol and the store variables now set (one per process while
+    they stay the same); UsageError, one line naming what to install, when its library is missing."""
     protocol = url.split("://", 1)[0].lower()
-    if protocol not in _STORES:
+    key = (protocol, store_settings())
+    if key not in _STORES:
         if problem := optional.url_problem(url):
             raise UsageError(f"{url} {problem}")
         import fsspec  # a dependency of torch
@@ -441,8 +453,8 @@ def fsspec_storage(url: str) -> FsspecStorage:
         # aiohttp (under s3fs) leaves a task's reset connection to asyncio's logger, as a traceback;
         # the failure itself reaches ddpjob (retried, or one line)
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        _STORES[protocol] = FsspecStorage(protocol, fsspec.filesystem(protocol, **options), RETRY_FOR)
-    return _STORES[protocol]
+        _STORES[key] = FsspecStorage(protocol, fsspec.filesystem(protocol, **options), RETRY_FOR)
+    return _STORES[key]
 
 
 def checkpoint_dir(cfg: Config) -> Where:
