@@ -53,8 +53,8 @@ lint: setup
 unit: setup
 	$(BIN)/pytest -q tests/unit
 
-# Real torchrun and subprocesses: two at a time, then the timing-sensitive files (`pytestmark =
-# pytest.mark.serial` in the file) alone.
+# Real torchrun and subprocesses: two at a time, then the timing-sensitive tests (marked `serial`
+# in their file) alone.
 process: process-parallel process-serial
 process-parallel: setup
 	$(BIN)/pytest -q -n 2 -m 'not serial' tests/process

@@ -1,7 +1,7 @@
 """Fixtures for every tier (unit, process, e2e). tests/ is put on sys.path, so helpers.py (the
 process helpers) and plugins/ import the same from tests/unit, tests/process and tests/e2e; so are
-this checkout's src/ and its root (examples/), as in the child processes (helpers.PYTHONPATH). A file
-whose tests must run alone says so itself: `pytestmark = pytest.mark.serial`."""
+this checkout's src/ and its root (examples/), as in the child processes (helpers.PYTHONPATH). A test
+that must run alone says so itself: `@pytest.mark.serial`, or `pytestmark` for a whole file."""
 
 import sys
 from pathlib import Path

@@ -11,6 +11,11 @@ cores: the table walks a pairwise cover of it (every pair of values of any two c
 row; every signal, place, save outcome and format appears), 24 rows with today's five signals.
 Besides the table: a signal while the workers set up (nothing trained: not 75) and one after
 training finished (exit 0 stays 0), for every handled signal.
+
+Which rows run alone (`serial`): those that race a deadline (a save slower than --save-timeout, a
+seal just inside or after it, a signal during the final evaluation against --shutdown-timeout),
+and the signal during set-up, which must land before the workers' handlers. The others hold
+whatever the machine's load, which only moves the step a signal lands on, and run two at a time.
 """
 
 import contextlib
@@ -29,7 +34,7 @@ from ddpjob.checkpoint import catalogue
 from ddpjob.train.stop_signal import STOP_SIGNALS
 from helpers import PYTHONPATH, alive, rank_of, records, spawn, trained_steps, wait_until, workers_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 SIGNALS = [*(s.name for s in STOP_SIGNALS), "SIGTERM twice"]
 PLACES = ["launch", "one worker"]
@@ -70,7 +75,7 @@ def test_the_table_holds_every_pair_of_values_of_any_two_columns():
 
 
 def job(save: str, fmt: str) -> list[str]:
-    slow = save.startswith("slower")
+    slow = races_a_deadline(save)
     return [
         "--nproc-per-node",
         "2",
@@ -136,7 +141,15 @@ def assert_invariant(code: int, out: str, run_dir: Path, saved: list[int]) -> No
     assert code == 0 or end["reason"] in last_line(out), (end, last_line(out))
 
 
-@pytest.mark.parametrize(("sig", "place", "save", "fmt"), TABLE, ids=[" / ".join(row) for row in TABLE])
+def races_a_deadline(save: str) -> bool:
+    return save.startswith("slower")
+
+
+@pytest.mark.parametrize(
+    ("sig", "place", "save", "fmt"),
+    [pytest.param(*row, marks=[pytest.mark.serial] if races_a_deadline(row[2]) else []) for row in TABLE],
+    ids=[" / ".join(row) for row in TABLE],
+)
 def test_exit_75_if_and_only_if_the_stop_step_has_a_verified_checkpoint(work, sig, place, save, fmt):
     if save.startswith("full disk") and os.geteuid() != 0:
         pytest.skip("mounts a tmpfs (root)")
@@ -159,6 +172,7 @@ def test_exit_75_if_and_only_if_the_stop_step_has_a_verified_checkpoint(work, si
             agent.wait()
 
 
+@pytest.mark.serial  # once failed two at a time (SIGUSR1; not reproduced in 15 runs under load)
 @pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
 def test_a_stop_signal_while_the_workers_set_up_is_not_75(work, sig):
     run_dir = work / "runs/ddpjob"
@@ -222,6 +236,7 @@ SLOW_SAVES = {  # a stop's save on rank 0 that ends sealed: (slow_save seconds, 
 }
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("save", SLOW_SAVES)
 def test_a_stop_save_that_rank_0_seals_late_exits_75(work, tmp_path_factory, save):
     seconds, flags, site = SLOW_SAVES[save]
@@ -248,6 +263,7 @@ def test_a_stop_save_that_rank_0_seals_late_exits_75(work, tmp_path_factory, sav
             agent.wait()
 
 
+@pytest.mark.serial
 def test_a_stop_during_the_final_evaluation_is_75_with_the_last_steps_checkpoint(work):
     """Training finished and its last step is checkpointed; a signal in the final evaluation outlasts
     --shutdown-timeout and the workers are killed: nothing trained is lost, the next start evaluates."""
