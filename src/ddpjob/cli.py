@@ -163,7 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = COMMANDS.get(argv[0])
     if command is None:
         return run_guarded(_unknown, argv)
-    return run_guarded(command[0], argv[1:])
+    code = run_guarded(command[0], argv[1:])
+    trackers = sys.modules.get("ddpjob.train.trackers")  # loaded only by a training worker
+    if trackers is not None and trackers.senders_left_running():
+        sys.stdout.flush()  # end now: finalizing the interpreter beside a stuck tracker thread can abort it
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _unknown(argv: Sequence[str]) -> int:

@@ -45,6 +45,14 @@ if TYPE_CHECKING:
     from ddpjob.config import Config
 
 QUEUE_SIZE = 1000  # records waiting for the thread; more are dropped, never waited for
+_left_running: list[threading.Thread] = []  # senders that close() gave up on, still inside a tracker library
+
+
+def senders_left_running() -> bool:
+    """Whether close() gave up on a sender still inside mlflow or wandb (a server that never
+    answers). The process must then end without finalizing the interpreter (os._exit): tearing
+    it down beside that thread can abort it (SIGABRT) after the job has done its work."""
+    return any(thread.is_alive() for thread in _left_running)
 
 
 def warn(message: str) -> None:
@@ -277,6 +285,7 @@ class Tracker:
             warn(
                 f"{stuck} {self.queue.qsize()} record(s) not sent within --tracker-timeout {self.timeout:g} s; exiting"
             )
+            _left_running.append(self.thread)
         if self.dropped:
             warn(f"{self.dropped} record(s) dropped while the tracker was behind (queue of {QUEUE_SIZE} full)")
         self.thread = None
