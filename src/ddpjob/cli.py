@@ -10,12 +10,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from ddpjob import config, log, versions
 from ddpjob.errors import EXIT_FAILED, EXIT_OK, UsageError, run_guarded
+from ddpjob.train import trackers
 
 
 def _train(argv: Sequence[str]) -> int:
@@ -163,11 +166,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = COMMANDS.get(argv[0])
     if command is None:
         return run_guarded(_unknown, argv)
-    code = run_guarded(command[0], argv[1:])
-    trackers = sys.modules.get("ddpjob.train.trackers")  # loaded only by a training worker
-    if trackers is not None and trackers.senders_left_running():
-        sys.stdout.flush()  # end now: finalizing the interpreter beside a stuck tracker thread can abort it
-        sys.stderr.flush()
+    return run_to_the_end(command[0], argv[1:])
+
+
+def run_to_the_end(command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
+    """run_guarded; but when a tracker sender this command started is still running (a tracking
+    server that never answers), end the process here with os._exit, on every way out (an error's
+    traceback is printed first): finalizing the interpreter beside that thread can abort it."""
+    started = len(trackers.SENDERS)
+    try:
+        code = run_guarded(command, argv)
+    except BaseException as exc:
+        if not trackers.senders_alive(started):
+            raise
+        if not isinstance(exc, SystemExit):
+            traceback.print_exception(exc)
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else EXIT_FAILED
+    if trackers.senders_alive(started):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
         os._exit(code)
     return code
 

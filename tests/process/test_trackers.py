@@ -196,20 +196,39 @@ def black_hole() -> Iterator[str]:
             conn.close()
 
 
-@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
-@pytest.mark.parametrize("server", ["refused", "never answers"])
-def test_a_tracking_server_that_is_down_or_never_answers_warns_and_the_job_ends(work, kind, server):
-    """...and ends without finalizing the interpreter beside the sender it gave up on, which is
-    still inside mlflow or wandb: that teardown aborted the job (SIGABRT) in about 1 run in 16."""
-    env = {"WANDB_API_KEY": "a" * 40, "WANDB_DIR": str(work)}  # W&B online: a key of the right form
-    hook = work / "hook"  # an exit hook registered first, so run last: it runs only if the interpreter is finalized
+def exit_hook(work: Path) -> dict[str, str]:
+    """Env for a child whose sitecustomize marks work/loaded, and work/finalized from an exit hook
+    registered first (so run last): that mark is made only if the interpreter is finalized."""
+    hook = work / "hook"
     hook.mkdir()
     marks = {name: str(work / name) for name in ("loaded", "finalized")}
     (hook / "sitecustomize.py").write_text(
         f"import atexit, pathlib\npathlib.Path({marks['loaded']!r}).touch()\n"
         f"atexit.register(pathlib.Path({marks['finalized']!r}).touch)\n"
     )
-    env["PYTHONPATH"] = f"{hook}:{PYTHONPATH}"
+    (hook / "failing.py").write_text(  # a user's model that fails on its 6th forward pass
+        "import itertools, torch.nn as nn\nfrom ddpjob.plugins import digits_mlp\n"
+        "class Failing(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.net, self.calls = digits_mlp(), itertools.count(1)\n"
+        "    def forward(self, x):\n"
+        "        if next(self.calls) == 6:\n            raise ValueError('the model failed')\n"
+        "        return self.net(x)\n"
+    )
+    return {"PYTHONPATH": f"{hook}:{PYTHONPATH}", "WANDB_API_KEY": "a" * 40, "WANDB_DIR": str(work)}
+
+
+def ended_without_finalizing(work: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    """The sender was given up on, and the process ended with os._exit (its output flushed), not by
+    finalizing the interpreter beside that thread, still inside mlflow or wandb: that teardown
+    aborted the job (SIGABRT, exit -6) in about 1 run in 16 after it had done its work."""
+    assert "not sent within --tracker-timeout" in proc.stderr, proc.stderr[-3000:]
+    assert (work / "loaded").exists() and not (work / "finalized").exists()
+
+
+@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
+@pytest.mark.parametrize("server", ["refused", "never answers"])
+def test_a_tracking_server_that_is_down_or_never_answers_warns_and_the_job_ends(work, kind, server):
+    env = exit_hook(work)  # W&B online: a key of the right form
     with (
         black_hole() if server == "never answers" else contextlib.nullcontext(f"http://127.0.0.1:{free_port()}") as url
     ):
@@ -220,10 +239,20 @@ def test_a_tracking_server_that_is_down_or_never_answers_warns_and_the_job_ends(
     out = ok(proc)
     assert "[ddpjob] done: step 12" in out
     assert "warning: tracker:" in proc.stderr, proc.stderr[-3000:]
-    assert "not sent within --tracker-timeout" in proc.stderr, proc.stderr[-3000:]  # the sender was given up on
-    assert (work / "loaded").exists() and not (work / "finalized").exists()  # it ended with os._exit, flushed
+    ended_without_finalizing(work, proc)
     print(f"\n{kind} server {server}: job ended in {took:.1f}s")
     assert took < 90  # about 10 s here; MLflow alone retries a request for minutes
+
+
+def test_a_model_error_with_a_tracker_that_never_answers_exits_1_with_its_traceback(work):
+    env = exit_hook(work)
+    with black_hole() as url:
+        args = ["--model", "failing:Failing", "--max-steps", "12", "--log-every", "2"]
+        args += ["--tracker", "wandb", "--tracker-uri", url, "--tracker-timeout", "2"]
+        proc = ddpjob(["train", "--device", "cpu", *args], work, timeout=240, **env)
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "ValueError: the model failed" in proc.stderr, proc.stderr[-3000:]
+    ended_without_finalizing(work, proc)
 
 
 def test_tracking_server_dying_mid_run_only_warns(work):
@@ -466,3 +495,22 @@ def test_resuming_a_checkpoint_without_a_tracker_run_twice_continues_one_run(wor
     client, runs = default_store_runs(work / "runs/ddpjob")
     assert len(runs) == 1, [r.info.run_id for r in runs]
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")] == [6, 8]
+
+
+def test_a_sender_still_running_from_before_a_command_does_not_end_that_command_early(capsys):
+    """Only a sender that this command started makes it end with os._exit (which here would end
+    pytest itself): one left by earlier work in the same process does not."""
+    from ddpjob import cli
+    from ddpjob.train import trackers
+
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    stuck.start()
+    trackers.SENDERS.append(stuck)
+    try:
+        assert cli.main(["config", "--lr", "0.5"]) == 0
+    finally:
+        release.set()
+        stuck.join()
+        trackers.SENDERS.remove(stuck)
+    assert "DDPJOB_LR=0.5" in capsys.readouterr().out

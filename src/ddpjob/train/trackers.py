@@ -45,14 +45,15 @@ if TYPE_CHECKING:
     from ddpjob.config import Config
 
 QUEUE_SIZE = 1000  # records waiting for the thread; more are dropped, never waited for
-_left_running: list[threading.Thread] = []  # senders that close() gave up on, still inside a tracker library
+SENDERS: list[threading.Thread] = []  # every sender this process started, in order
 
 
-def senders_left_running() -> bool:
-    """Whether close() gave up on a sender still inside mlflow or wandb (a server that never
-    answers). The process must then end without finalizing the interpreter (os._exit): tearing
-    it down beside that thread can abort it (SIGABRT) after the job has done its work."""
-    return any(thread.is_alive() for thread in _left_running)
+def senders_alive(since: int = 0) -> bool:
+    """Whether a sender started after the first ``since`` is still running: one that close() gave up
+    on (a server that never answers) or that no close() ended. The process must then end without
+    finalizing the interpreter (os._exit): tearing it down beside a thread inside mlflow or wandb can
+    abort the process (SIGABRT) after the job has done its work."""
+    return any(thread.is_alive() for thread in SENDERS[since:])
 
 
 def warn(message: str) -> None:
@@ -261,6 +262,7 @@ class Tracker:
             return
         self.thread = threading.Thread(target=self._work, args=(backend, run_id), name="ddpjob-tracker", daemon=True)
         self.thread.start()
+        SENDERS.append(self.thread)
 
     def log(self, event: str, step: int, values: dict[str, float]) -> None:
         """A record's numeric fields at its step: queued for the thread, or dropped (and counted) when full."""
@@ -285,7 +287,6 @@ class Tracker:
             warn(
                 f"{stuck} {self.queue.qsize()} record(s) not sent within --tracker-timeout {self.timeout:g} s; exiting"
             )
-            _left_running.append(self.thread)
         if self.dropped:
             warn(f"{self.dropped} record(s) dropped while the tracker was behind (queue of {QUEUE_SIZE} full)")
         self.thread = None
