@@ -1,5 +1,5 @@
-"""Test plug-ins that stall outside any collective: a data loader that stops returning, and an
-evaluation that is slow on rank 1 only."""
+"""Test plug-ins that stall outside any collective: a data loader that stops returning, an
+evaluation that is slow on rank 1 only, and data that is slow to build (a long set-up)."""
 
 import os
 import re
@@ -48,3 +48,10 @@ def slow_eval(seconds: float = 8.0):  # type: ignore[no-untyped-def]
     """The digits, whose validation pass takes ``seconds`` longer on rank 1 (at its first sample)."""
     train, val = plugins.digits()
     return train, Stalling(val, lambda i, fetched: i == 1, seconds) if os.environ.get("RANK") == "1" else val
+
+
+def slow_to_build(seconds: float = 5.0, samples: int = 8192):  # type: ignore[no-untyped-def]
+    """ddpjob.plugins.synthetic, built ``seconds`` late: each worker stays that long in its set-up,
+    before its process group and its stop handlers, whatever the machine's load."""
+    time.sleep(seconds)
+    return plugins.synthetic(samples=samples)
