@@ -290,7 +290,10 @@ def test_compose_kill_with_each_stop_signal_exits_75_with_a_verified_checkpoint_
             lambda: runs() and any(r["event"] == "train" for r in jsonl(runs() / "metrics.jsonl")), 180, "training"
         )
         assert compose("kill", "-s", sig.name).returncode == 0
-        wait_for(lambda: all(s.startswith("exited") for s in states()), 180, "both nodes to exit")
+        try:
+            wait_for(lambda: all(s.startswith("exited") for s in states()), 180, "both nodes to exit")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {states()}\n{compose('logs', '--no-color').stdout[-6000:]}") from None
         assert states() == ["exited 75", "exited 75"], compose("logs", "--no-color").stdout[-4000:]
         (preempted,) = [r for r in jsonl(runs() / "metrics.jsonl") if r["event"] == "preempted"]
         saved = [s for s, p in catalogue.list_steps(runs() / "checkpoints") if catalogue.verify(p) is None]
