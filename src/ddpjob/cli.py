@@ -179,9 +179,11 @@ def run_to_the_end(command: Callable[[Sequence[str]], int], argv: Sequence[str])
     except BaseException as exc:
         if not trackers.senders_alive(started):
             raise
-        if not isinstance(exc, SystemExit):
+        if isinstance(exc, SystemExit):
+            code = exc.code if isinstance(exc.code, int) else EXIT_FAILED
+        else:
             traceback.print_exception(exc)
-        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else EXIT_FAILED
+            code = EXIT_FAILED
     if trackers.senders_alive(started):
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

@@ -206,14 +206,6 @@ def exit_hook(work: Path) -> dict[str, str]:
         f"import atexit, pathlib\npathlib.Path({marks['loaded']!r}).touch()\n"
         f"atexit.register(pathlib.Path({marks['finalized']!r}).touch)\n"
     )
-    (hook / "failing.py").write_text(  # a user's model that fails on its 6th forward pass
-        "import itertools, torch.nn as nn\nfrom ddpjob.plugins import digits_mlp\n"
-        "class Failing(nn.Module):\n"
-        "    def __init__(self):\n        super().__init__(); self.net, self.calls = digits_mlp(), itertools.count(1)\n"
-        "    def forward(self, x):\n"
-        "        if next(self.calls) == 6:\n            raise ValueError('the model failed')\n"
-        "        return self.net(x)\n"
-    )
     return {"PYTHONPATH": f"{hook}:{PYTHONPATH}", "WANDB_API_KEY": "a" * 40, "WANDB_DIR": str(work)}
 
 
@@ -247,7 +239,7 @@ def test_a_tracking_server_that_is_down_or_never_answers_warns_and_the_job_ends(
 def test_a_model_error_with_a_tracker_that_never_answers_exits_1_with_its_traceback(work):
     env = exit_hook(work)
     with black_hole() as url:
-        args = ["--model", "failing:Failing", "--max-steps", "12", "--log-every", "2"]
+        args = ["--model", "tests.plugins.failing:model(at=6)", "--max-steps", "12", "--log-every", "2"]
         args += ["--tracker", "wandb", "--tracker-uri", url, "--tracker-timeout", "2"]
         proc = ddpjob(["train", "--device", "cpu", *args], work, timeout=240, **env)
     assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
