@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 NPROC  ?= 2
 
-.PHONY: setup runtime run run-lm shell test lint unit flaky e2e e2e-down bench clean check process process-parallel process-serial provision
+.PHONY: setup runtime run run-lm shell test lint unit flaky e2e e2e-parallel e2e-serial e2e-down bench clean check process process-parallel process-serial provision
 
 # `make run` needs only the runtime (torch and ddpjob's own dependencies); the dev tools (linters,
 # trackers, transformers, ...) come with `make setup`, which every test target uses.
@@ -53,11 +53,11 @@ lint: setup
 unit: setup
 	$(BIN)/pytest -q tests/unit
 
-# Real torchrun and subprocesses: two at a time, then the timing-sensitive tests (marked `serial`
-# in their file) alone.
+# Real torchrun and subprocesses: two at a time (the tests sharing a reference run or a server on one
+# worker: tests/conftest.py), then the timing-sensitive tests (marked `serial` in their file) alone.
 process: process-parallel process-serial
 process-parallel: setup
-	$(BIN)/pytest -q -n 2 -m 'not serial' tests/process
+	$(BIN)/pytest -q -n 2 --dist loadgroup -m 'not serial' tests/process
 process-serial: setup
 	$(BIN)/pytest -q -m serial tests/process
 
@@ -75,9 +75,15 @@ flaky: setup
 		$(BIN)/pytest -q -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \
 	done; $(BIN)/python tests/flaky.py $$(seq -f 'runs/flaky/round-%g.xml' 1 $(N))
 
-# End-to-end tests against a real Docker engine and Slurm daemons (root; installs what they need).
+# End-to-end tests against a real Docker engine and Slurm daemons (root; installs what they need):
+# those that wait on the engine and the cluster, then the ones that time a link or a node (`serial`).
+# e2e-parallel and e2e-serial expect a provisioned machine (.ci/run provisions once, beside other work).
 e2e: provision
-	$(BIN)/pytest -q -m e2e tests/e2e
+	$(MAKE) e2e-parallel e2e-serial
+e2e-parallel: setup
+	$(BIN)/pytest -q -m 'e2e and not serial' tests/e2e
+e2e-serial: setup
+	$(BIN)/pytest -q -m 'e2e and serial' tests/e2e
 provision: setup
 	bash tests/e2e/provision.sh
 

@@ -50,3 +50,34 @@ def s3(s3_server, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReques
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
     return f"s3://{BUCKET}/{request.node.name[:40].strip('[]')}-{uuid.uuid4().hex[:6]}"
+
+
+def shared_fixtures(item: pytest.Item) -> list[str]:
+    """The module- and session-scoped fixtures of this suite (not pytest's own) that ITEM uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    names = []
+    for name, defs in info.name2fixturedefs.items() if info else ():
+        fixture = defs[-1]
+        if fixture.scope in ("module", "session") and Path(fixture.func.__code__.co_filename).is_relative_to(TESTS):
+            names.append(f"{item.nodeid.split('::')[0]}::{name}" if fixture.scope == "module" else name)
+    return names
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that share a module- or session-scoped fixture (a reference run, a server), directly or
+    through another test, form one `xdist_group`: under `pytest -n N --dist loadgroup` (make
+    process-parallel) they run on one worker, and the fixture is made once, not once per worker."""
+    group: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while group.setdefault(name, name) != name:
+            name = group[name]
+        return name
+
+    uses = {item.nodeid: shared_fixtures(item) for item in items}
+    for names in uses.values():
+        for name in names[1:]:
+            group[root(name)] = root(names[0])
+    for item in items:
+        if uses[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(root(uses[item.nodeid][0])))

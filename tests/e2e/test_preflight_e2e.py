@@ -12,7 +12,7 @@ from test_slurm import finished, job, sbatch
 
 from e2e import REPO, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]  # it times links and nodes: run alone (make e2e-serial)
 RATE = ["tbf", "rate", "50mbit", "burst", "32kbit", "latency", "400ms"]  # 6 MB/s; the kernel here has no netem
 
 
