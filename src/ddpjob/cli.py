@@ -22,19 +22,19 @@ from ddpjob.train import trackers
 
 
 def _train(argv: Sequence[str]) -> int:
-    versions.check_torch()  # before the worker's own imports, which need a recent torch
-    import torch
-
-    from ddpjob import distenv
-    from ddpjob.train import loop, output_prefix
-
     parser = config.make_parser(
         "ddpjob train",
         "Run the training worker (one process of the job).",
         "The node-level flags of `ddpjob launch` are accepted too and ignored (see ddpjob launch --help).",
     )
     config.add_config_flags(parser, shown=config.WORKER)
-    cfg = config.load(parser.parse_args(argv))
+    cfg = config.load(parser.parse_args(argv))  # bad values end here, before torch loads (about 2 s)
+    versions.check_torch()  # before the worker's own imports, which need a recent torch
+    import torch
+
+    from ddpjob import distenv
+    from ddpjob.train import loop, output_prefix
+
     env = distenv.resolve(os.environ, torch.cuda.device_count())
     if env.is_distributed:
         output_prefix.prefix_output(env)

@@ -35,3 +35,12 @@ def test_a_factorys_network_error_through_the_real_cli_is_exit_1_one_line(tmp_pa
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "transient" in lines[0] and "refused" in lines[0], proc.stderr
+
+
+def test_a_bad_worker_value_ends_before_torch_loads(tmp_path):
+    """A worker's bad flag costs a tenth of a second, not torch's two: validation comes first."""
+    proc = ddpjob(["train", "--lr", "nan"], tmp_path, PYTHONPROFILEIMPORTTIME="1")
+    assert proc.returncode == 2, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "ddpjob.config" in imported  # the probe sees the imports
+    assert "torch" not in imported

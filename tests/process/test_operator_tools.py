@@ -15,8 +15,6 @@ from ddpjob.checkpoint.formats import single_file
 from ddpjob.tools import plot
 from helpers import FAST, PY, clean_env, ddpjob, ok, torchrun
 
-pytestmark = pytest.mark.serial  # timing-sensitive: `make process` runs it alone
-
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs a private mount or network namespace (root)")
 
 
@@ -36,6 +34,7 @@ def test_doctor_passes_with_a_reachable_endpoint(work, listener):
 
 
 @root_only
+@pytest.mark.serial  # it times the doctor: `make process` runs it alone
 def test_doctor_fails_fast_on_an_unreachable_endpoint_with_the_fix(work):
     """In a network namespace of its own (no route to the endpoint), as on a node cut off from node 0."""
     start = time.monotonic()
