@@ -52,17 +52,23 @@ def s3(s3_server, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReques
     return f"s3://{BUCKET}/{request.node.name[:40].strip('[]')}-{uuid.uuid4().hex[:6]}"
 
 
+INSTALLED = Path(pytest.__file__).parents[1]  # site-packages: pytest's and its plugins' fixtures
+
+
 def shared_fixtures(item: pytest.Item) -> list[str]:
-    """The module- and session-scoped fixtures of this suite (not pytest's own) that ITEM uses."""
+    """The module- and session-scoped fixtures of this suite (not pytest's or a plugin's) that ITEM uses."""
     info = getattr(item, "_fixtureinfo", None)
     names = []
     for name, defs in info.name2fixturedefs.items() if info else ():
         fixture = defs[-1]
-        if fixture.scope in ("module", "session") and Path(fixture.func.__code__.co_filename).is_relative_to(TESTS):
+        if fixture.scope in ("module", "session") and not Path(fixture.func.__code__.co_filename).is_relative_to(
+            INSTALLED
+        ):
             names.append(f"{item.nodeid.split('::')[0]}::{name}" if fixture.scope == "module" else name)
     return names
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that share a module- or session-scoped fixture (a reference run, a server), directly or
     through another test, form one `xdist_group`: under `pytest -n N --dist loadgroup` (make

@@ -276,3 +276,55 @@ def test_a_stop_during_the_final_evaluation_is_75_with_the_last_steps_checkpoint
     assert verified_steps(run_dir / "checkpoints") == [10], out[-3000:]
     assert agent.returncode == 75 and "training finished at step 10" in last_line(out), out[-3000:]
     assert attempts(run_dir)[-1]["exit_code"] == 75
+
+
+# A heartbeat of the rendezvous handler that lasts until torchrun has returned after the stop, so
+# that the keep-alive thread holds the handler while launch drops it (a race, forced). Launch then
+# waits a little at exit, so that whatever that thread prints is printed in full.
+HELD_HEARTBEAT = """
+import atexit, os, sys, threading, time
+if "launch" in sys.argv:
+    from torch.distributed import run
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    returned = threading.Event()
+    keep_alive, torchrun = dynamic_rendezvous.DynamicRendezvousHandler._keep_alive, run.run
+
+    def held_keep_alive(self):
+        open(os.environ["HEARTBEAT_HELD"], "w").close()
+        returned.wait(120)
+        time.sleep(1)
+        keep_alive(self)
+
+    def run_then_release(*args, **kwargs):
+        try:
+            return torchrun(*args, **kwargs)
+        finally:
+            returned.set()
+
+    dynamic_rendezvous.DynamicRendezvousHandler._keep_alive = held_keep_alive
+    run.run = run_then_release
+    atexit.register(time.sleep, 3)
+"""
+
+
+def test_a_stop_while_a_rendezvous_heartbeat_runs_ends_launch_with_its_own_last_line(work, tmp_path_factory):
+    """torchrun drops its rendezvous handler after a stop signal; launch stops the handler's
+    keep-alive thread itself, so that thread never frees the handler and tries to join itself (a
+    half traceback after launch's last line: RuntimeError: cannot join current thread, seen in CI)."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(HELD_HEARTBEAT)
+    held = site / "held"
+    run_dir = work / "runs/ddpjob"
+    agent = spawn(["launch", *job("ok", "file")], work, PYTHONPATH=f"{site}:{PYTHONPATH}", HEARTBEAT_HELD=str(held))
+    try:
+        wait_until(lambda: held.exists() and trained_steps(run_dir) >= 10, 180, "a heartbeat during training")
+        agent.send_signal(signal.SIGINT)
+        out = agent.communicate(timeout=240)[0]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert "cannot join current thread" not in out and "Exception ignored" not in out, out[-3000:]
+    assert_invariant(agent.returncode, out, run_dir, verified_steps(run_dir / "checkpoints"))
+    assert agent.returncode == 75, out[-3000:]

@@ -413,6 +413,7 @@ class AgentSignals:
         import torch
         from torch.distributed.elastic.agent.server import local_elastic_agent
         from torch.distributed.elastic.multiprocessing import api
+        from torch.distributed.elastic.rendezvous import registry
 
         original_handler = getattr(api, "_terminate_process_handler", None)
         original_start = getattr(local_elastic_agent, "start_processes", None)
@@ -422,18 +423,29 @@ class AgentSignals:
                 "ddpjob launch cannot tell checkpointed workers from failed ones: use a torch that ddpjob is tested with"
             )
 
+        original_handler_of = registry.get_rendezvous_handler
+        handlers: list[Any] = []
+
         def start_processes(*args: Any, **kwargs: Any) -> Any:
             self.pcontext = original_start(*args, **kwargs)
             return self.pcontext
 
+        def get_rendezvous_handler(*args: Any, **kwargs: Any) -> Any:
+            handlers.append(original_handler_of(*args, **kwargs))
+            return handlers[-1]
+
         for name in names.split(","):
             signal.signal(getattr(signal, name), self.handle)
         api._terminate_process_handler, local_elastic_agent.start_processes = self.handle, start_processes
+        registry.get_rendezvous_handler = get_rendezvous_handler
         try:
             yield
         finally:
             api._terminate_process_handler, local_elastic_agent.start_processes = original_handler, original_start
+            registry.get_rendezvous_handler = original_handler_of
             self.done = True
+            for handler in handlers:  # see stop_heartbeats
+                stop_heartbeats(handler)
 
     def exit_codes(self) -> dict[int, int | None] | None:
         """Local rank -> the worker's exit code (None: still running or unknown); None: no workers."""
@@ -472,6 +484,17 @@ class AgentSignals:
             else worker_error(getattr(self.pcontext, "error_files", {}).get(rank, "")) or f"its log says why; {lost}"
         )
         return code, f"got {got}; worker local rank {rank} exited with {shown[rank]}: {why}; {by_rank}"
+
+
+def stop_heartbeats(handler: Any) -> None:
+    """Stop a rendezvous handler's keep-alive thread from this thread. After a stop signal torchrun
+    drops its handler without shutting it down (other nodes may re-form), and the thread stops when
+    the handler is freed: if the keep-alive thread itself held the last reference (inside a
+    heartbeat), it would try to join itself and print a half traceback ("cannot join current
+    thread") after launch's last line. Its own method where torch has it (2.x), else as before."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        stop()
 
 
 def stopped_at(found: stop_record.Outcome) -> str:
