@@ -78,8 +78,9 @@ flaky: setup
 # End-to-end tests against a real Docker engine and Slurm daemons (root; installs what they need):
 # those that wait on the engine and the cluster, then the ones that time a link or a node (`serial`).
 # e2e-parallel and e2e-serial expect a provisioned machine (.ci/run provisions once, beside other work).
-e2e: provision
-	$(MAKE) e2e-parallel e2e-serial
+e2e: provision  # one after the other, also under make -j: the serial tests time links and nodes
+	$(MAKE) e2e-parallel
+	$(MAKE) e2e-serial
 e2e-parallel: setup
 	$(BIN)/pytest -q -m 'e2e and not serial' tests/e2e
 e2e-serial: setup

@@ -28,7 +28,8 @@ def _train(argv: Sequence[str]) -> int:
         "The node-level flags of `ddpjob launch` are accepted too and ignored (see ddpjob launch --help).",
     )
     config.add_config_flags(parser, shown=config.WORKER)
-    cfg = config.load(parser.parse_args(argv))  # bad values end here, before torch loads (about 2 s)
+    # bad values end here, before torch loads (only a rendezvous endpoint is parsed by torch itself)
+    cfg = config.load(parser.parse_args(argv))
     versions.check_torch()  # before the worker's own imports, which need a recent torch
     import torch
 

@@ -445,3 +445,27 @@ def test_a_node_whose_worker_failed_its_save_does_not_wait_for_the_checkpoint(tm
     run_dir, ckpt = _stop_at_40(tmp_path)
     code, reason = _outcome(run_dir, ckpt, [75, 3], fs_timeout=60)
     assert code == 3 and "no verified checkpoint of step 40" in reason, reason
+
+
+def test_launch_stops_a_heartbeat_thread_from_its_own_thread_and_waits_for_a_hung_one_at_most_its_bound():
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    hung = threading.Event()
+
+    class Handler:  # torch's dynamic rendezvous handler, as far as launch uses it
+        def __init__(self) -> None:
+            self.timer = _PeriodicTimer(datetime.timedelta(seconds=0.01), hung.wait, 30)  # a heartbeat that hangs
+            self.timer.start()
+
+        def _stop_heartbeats(self) -> None:
+            self.timer.cancel()
+
+    handler = Handler()
+    time.sleep(0.1)  # the heartbeat is under way
+    start = time.monotonic()
+    agent.stop_heartbeats(handler, wait_s=0.5)
+    assert time.monotonic() - start < 3  # not the 30 s of the hung heartbeat
+    assert not handler.timer._finalizer.alive  # disarmed: freeing the handler later joins nothing
+    hung.set()
+    handler.timer._thread.join(5)
+    assert not handler.timer._thread.is_alive()

@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -486,15 +487,22 @@ class AgentSignals:
         return code, f"got {got}; worker local rank {rank} exited with {shown[rank]}: {why}; {by_rank}"
 
 
-def stop_heartbeats(handler: Any) -> None:
-    """Stop a rendezvous handler's keep-alive thread from this thread. After a stop signal torchrun
-    drops its handler without shutting it down (other nodes may re-form), and the thread stops when
-    the handler is freed: if the keep-alive thread itself held the last reference (inside a
-    heartbeat), it would try to join itself and print a half traceback ("cannot join current
-    thread") after launch's last line. Its own method where torch has it (2.x), else as before."""
+HEARTBEAT_STOP_WAIT_S = 5.0  # a heartbeat to a live store takes milliseconds
+
+
+def stop_heartbeats(handler: Any, wait_s: float = HEARTBEAT_STOP_WAIT_S) -> None:
+    """Stop a rendezvous handler's keep-alive thread, from a thread other than that one. After a
+    stop signal torchrun drops its handler without shutting it down (other nodes may re-form), and
+    the thread stops when the handler is freed: if the keep-alive thread itself held the last
+    reference (inside a heartbeat), it would try to join itself and print a half traceback ("cannot
+    join current thread") after launch's last line. Stopping it first disarms that. The stop waits
+    for a heartbeat under way, which can hang on a store whose host vanished: launch waits for it at
+    most wait_s, then goes on to its exit code. torch's own method where it has one (2.x)."""
     stop = getattr(handler, "_stop_heartbeats", None)
     if callable(stop):
-        stop()
+        stopper = threading.Thread(target=stop, name="ddpjob-heartbeat-stop", daemon=True)
+        stopper.start()
+        stopper.join(wait_s)
 
 
 def stopped_at(found: stop_record.Outcome) -> str:
