@@ -410,7 +410,8 @@ class AgentSignals:
     @contextlib.contextmanager
     def installed(self, names: str) -> Iterator[None]:
         """Our handler for `names` now (a signal during rendezvous is a stop too) and wherever the
-        agent installs its own; the agent's worker processes recorded as it starts them."""
+        agent installs its own; the agent's worker processes recorded as it starts them; and its
+        rendezvous handlers, whose keep-alive threads are stopped on the way out (stop_heartbeats)."""
         import torch
         from torch.distributed.elastic.agent.server import local_elastic_agent
         from torch.distributed.elastic.multiprocessing import api
