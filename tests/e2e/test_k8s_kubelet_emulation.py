@@ -365,6 +365,10 @@ def test_three_drains_in_a_row_do_not_fail_a_three_pod_job(docker_env):
                     evicted = ("DisruptionTarget",) if i == drained else ()
                     controller.pod_failed(PodFailure(name, code, evicted))
                     failed.append(i)
+                    assert not controller.failed, (
+                        f"the drain of pod {drained}: pod {i} exited {code}, which the Job counts as a failure\n"
+                        + cluster.logs()
+                    )
             assert controller.condition is None, (controller, cluster.logs())
             assert failed == list(range(nodes)), "a drain stops every rank"
             for i in failed:  # the controller replaces each pod that failed

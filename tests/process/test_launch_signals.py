@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHONPATH, alive, ddpjob, ok, records, spawn, trained_steps, wait_until, workers_of
+from ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -154,3 +155,46 @@ def test_a_worker_killed_after_the_stop_checkpoint_was_sealed_leaves_exit_75(wor
     last = out.strip().splitlines()[-1]  # rank 1 killed (137); rank 0's exit may wait on it and be killed too
     assert re.search(r"is verified \(exit 75\); exit codes by local rank: (75|137), 137$", last), out[-3000:]
     assert not [pid for pid in workers if alive(pid)]
+
+
+SLOW_EXIT_ON_THIS_NODE = """
+import os
+if "LOCAL_RANK" in os.environ and os.environ.get("SLOW_EXIT_ON_THIS_NODE"):  # this node's workers
+    import time
+    import torch.distributed as dist
+
+    def slow_destroy(*args, **kwargs):  # after the stop's checkpoint is sealed and agreed by every rank
+        time.sleep(60)
+
+    dist.destroy_process_group = slow_destroy
+"""
+
+
+def test_a_node_whose_store_host_left_first_after_a_stop_exits_75_not_1(work, tmp_path_factory):
+    """A drain of node 0 (or any node) stops every rank at one step with a verified checkpoint. Node 0
+    hosts the rendezvous store and may leave first, while another node's workers are still on their
+    way out: that node's agent then finds the store gone. Its stop is still a stop (75, not counted
+    by the scheduler), not a failure (1, counted against the Job's backoffLimit). Forced here: node
+    1's worker is held after the stop's checkpoint, until --shutdown-timeout kills it."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(SLOW_EXIT_ON_THIS_NODE)
+    port, env = free_port(), {"PYTHONPATH": f"{site}:{PYTHONPATH}"}
+    flags = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *JOB, "--nproc-per-node", "1"]
+    flags += ["--epochs", "3", "--stop-check-every", "5", "--shutdown-timeout", "5"]
+    nodes = [
+        spawn(["launch", *flags, "--node-rank", "0"], work, **env),
+        spawn(["launch", *flags, "--node-rank", "1"], work, SLOW_EXIT_ON_THIS_NODE="1", **env),
+    ]
+    try:
+        wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 20, 120, "training to start")
+        nodes[0].send_signal(signal.SIGTERM)  # the drain of node 0
+        outs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert [node.returncode for node in nodes] == [75, 75], [out[-3000:] for out in outs]
+    last = outs[1].strip().splitlines()[-1]
+    assert "(node 0) closed as the nodes stopped" in last and "is verified (exit 75)" in last, outs[1][-3000:]
+    assert sum(out.count("[ddpjob] saved ") for out in outs) == 1  # one checkpoint, by rank 0

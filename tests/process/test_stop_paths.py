@@ -185,6 +185,45 @@ def test_a_stop_signal_while_the_workers_set_up_is_not_75(work, sig):
     assert agent.returncode != 75 and not trained_steps(run_dir), out[-3000:]
 
 
+# In launch (not its workers): once torchrun's agent has started both workers, and before it has
+# recorded them (its start returns their handles), a stop signal to launch itself. Delivered at once:
+# the handler runs at the next bytecode, inside the agent's start.
+SIGNAL_IN_THE_START = """
+import os
+if "LOCAL_RANK" not in os.environ:
+    import signal, subprocess
+    from pathlib import Path
+
+    popen_init, started = subprocess.Popen.__init__, []
+
+    def start_then_signal(self, *args, **kwargs):
+        popen_init(self, *args, **kwargs)
+        argv = args[0] if args else kwargs.get("args", ())
+        if "train" in [str(a) for a in argv]:  # a worker
+            started.append(self.pid)
+            if len(started) == 2:
+                Path(os.environ["WORKERS_FILE"]).write_text(" ".join(map(str, started)))
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    subprocess.Popen.__init__ = start_then_signal
+"""
+
+
+def test_a_stop_signal_while_the_agent_starts_the_workers_stops_them_before_launchs_last_line(work, tmp_path_factory):
+    """A signal that lands inside the agent's start of its workers is held until the agent has
+    recorded them, so its shutdown stops them: none outlives launch or prints after its last line."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(SIGNAL_IN_THE_START)
+    pids = site / "workers"
+    agent = spawn(["launch", *job("ok", "file")], work, PYTHONPATH=f"{site}:{PYTHONPATH}", WORKERS_FILE=str(pids))
+    out = agent.communicate(timeout=180)[0]  # until every process holding its output has exited
+    workers = [int(pid) for pid in pids.read_text().split()]
+    assert agent.returncode != 75 and not [pid for pid in workers if alive(pid)], out[-3000:]
+    last = last_line(out)  # launch's, stopping the workers it started (not "before any worker started")
+    assert "launch: " in last and "got SIGTERM" in last and "before any worker" not in last, out[-3000:]
+    assert "already gone" not in out  # no orphan saw launch go
+
+
 LATE_SIGNAL = """
 import os
 if os.environ.get("RANK") == "0":  # a worker, not launch

@@ -5,8 +5,10 @@ import datetime
 import os
 import pickle
 import shutil
+import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -146,8 +148,6 @@ STOPPED = "training stopped on SIGTERM at step 40, and its checkpoint"
 def test_after_a_stop_signal_launch_exits_75_iff_the_stop_steps_checkpoint_verifies(
     tmp_path, codes, on_disk, expected, words
 ):
-    import signal
-    from types import SimpleNamespace
 
     import torch
 
@@ -350,7 +350,6 @@ def test_rendezvous_summary_returns_when_the_store_host_accepts_connections_but_
 
 
 def test_the_documented_stop_signals_are_handled_and_forwarded():
-    import signal
 
     from ddpjob.train.stop_signal import STOP_SIGNALS
 
@@ -387,7 +386,6 @@ def test_launch_dry_run_calls_no_data_factory(tmp_path, monkeypatch, capsys):
 
 
 def _stop_at_40(tmp_path):
-    import signal
 
     from ddpjob.checkpoint import stop_record
 
@@ -398,8 +396,6 @@ def _stop_at_40(tmp_path):
 
 
 def _outcome(run_dir, ckpt, codes, fs_timeout):
-    import signal
-    from types import SimpleNamespace
 
     stops = agent.AgentSignals(7, run_dir, ckpt, fs_timeout)
     stops.pcontext = SimpleNamespace(
@@ -469,3 +465,38 @@ def test_launch_stops_a_heartbeat_thread_from_its_own_thread_and_waits_for_a_hun
     hung.set()
     handler.timer._thread.join(5)
     assert not handler.timer._thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("signals", "fails"),
+    [(1, False), (1, True), (2, False)],
+    ids=["start-returns", "start-fails", "second-signal-counted"],
+)
+def test_a_stop_signal_while_the_agent_starts_its_workers_is_raised_once_it_has_recorded_them(
+    monkeypatch, tmp_path, signals, fails
+):
+    """A real signal through the handlers installed() puts in place, sent from inside the agent's start
+    of its workers (after the first worker exists, before the agent has recorded them): it is raised
+    only once the start has returned, so the agent knows the workers it must stop."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def start(agent_self, worker_group):
+        for _ in range(signals):
+            os.kill(os.getpid(), signal.SIGUSR1)  # delivered here, at the next bytecode
+        agent_self.recorded = True  # the agent's self._pcontext = start_processes(...)
+        if fails:
+            raise RuntimeError("a worker failed to exec")
+        return {0: 1234}
+
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", start)
+    stops, starter = agent.AgentSignals(7, tmp_path, tmp_path), SimpleNamespace(recorded=False)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        with stops.installed("SIGUSR1"), pytest.raises(SignalException) as raised:
+            LocalElasticAgent._start_workers(starter, None)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert starter.recorded and raised.value.sigval == signal.SIGUSR1 and stops.count == signals
+    assert isinstance(raised.value.__cause__, RuntimeError) == fails
+    assert LocalElasticAgent._start_workers is start and not stops.starting  # put back

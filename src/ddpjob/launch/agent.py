@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch.utils.data import IterableDataset
 
@@ -397,15 +397,38 @@ class AgentSignals:
         self.first: signal.Signals | None = None
         self.count = 0
         self.done = False  # torchrun has returned
+        self.starting = False  # the agent is starting its workers: a first signal is held (start_workers)
         self.pcontext: Any = None  # the agent's latest worker processes (a torch PContext)
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         self.count += 1
         if self.first is None and not self.done:
             self.first = signal.Signals(signum)
-            raise SignalException(f"Process {os.getpid()} got signal: {self.first}", sigval=self.first)
+            if not self.starting:
+                raise_stop(self.first)
+
+    def start_workers(self, start: Any, agent: Any, worker_group: Any) -> Any:
+        """The agent's start of its workers, with a first stop signal held until it has returned.
+
+        The agent records its workers only as its start returns (``self._pcontext = start_processes(...)``):
+        a signal raised inside the start, while the last worker's ``Popen`` waits for its exec, would
+        leave the workers already started unknown to the agent's shutdown, orphaned, ending by
+        themselves after launch's last line. Held, the signal is raised once they are recorded, and
+        they are stopped as on any stop (the signal, then SIGKILL after --shutdown-timeout). A start
+        that fails still raises the held signal, with the failure as its cause."""
+        before = self.first
+        self.starting = True
+        try:
+            started = start(agent, worker_group)
+        except BaseException as exc:
+            self.starting = False  # before the check: a signal from here on raises by itself
+            if before is None and self.first is not None:
+                raise_stop(self.first, exc)
+            raise
+        self.starting = False
+        if before is None and self.first is not None:
+            raise_stop(self.first)
+        return started
 
     @contextlib.contextmanager
     def installed(self, names: str) -> Iterator[None]:
@@ -419,9 +442,12 @@ class AgentSignals:
 
         original_handler = getattr(api, "_terminate_process_handler", None)
         original_start = getattr(local_elastic_agent, "start_processes", None)
-        if not (callable(original_handler) and callable(original_start)):  # torch internals this relies on
+        agent_class = local_elastic_agent.LocalElasticAgent
+        original_start_workers = agent_class.__dict__.get("_start_workers")
+        if not (callable(original_handler) and callable(original_start) and callable(original_start_workers)):
             raise UsageError(
-                f"torch {torch.__version__}'s elastic agent has no _terminate_process_handler or start_processes; "
+                f"torch {torch.__version__}'s elastic agent has no _terminate_process_handler, start_processes or "
+                "_start_workers; "
                 "ddpjob launch cannot tell checkpointed workers from failed ones: use a torch that ddpjob is tested with"
             )
 
@@ -432,6 +458,9 @@ class AgentSignals:
             self.pcontext = original_start(*args, **kwargs)
             return self.pcontext
 
+        def start_workers(agent: Any, worker_group: Any) -> Any:
+            return self.start_workers(original_start_workers, agent, worker_group)
+
         def get_rendezvous_handler(*args: Any, **kwargs: Any) -> Any:
             handlers.append(original_handler_of(*args, **kwargs))
             return handlers[-1]
@@ -439,11 +468,13 @@ class AgentSignals:
         for name in names.split(","):
             signal.signal(getattr(signal, name), self.handle)
         api._terminate_process_handler, local_elastic_agent.start_processes = self.handle, start_processes
+        agent_class._start_workers = start_workers  # type: ignore[method-assign]
         registry.get_rendezvous_handler = get_rendezvous_handler
         try:
             yield
         finally:
             api._terminate_process_handler, local_elastic_agent.start_processes = original_handler, original_start
+            agent_class._start_workers = original_start_workers  # type: ignore[method-assign]
             registry.get_rendezvous_handler = original_handler_of
             self.done = True
             for handler in handlers:  # see stop_heartbeats
@@ -488,6 +519,13 @@ class AgentSignals:
         return code, f"got {got}; worker local rank {rank} exited with {shown[rank]}: {why}; {by_rank}"
 
 
+def raise_stop(sig: signal.Signals, cause: BaseException | None = None) -> None:
+    """The exception torchrun's agent takes for a stop signal: it forwards the signal to its workers."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig) from cause
+
+
 HEARTBEAT_STOP_WAIT_S = 5.0  # a heartbeat to a live store takes milliseconds
 
 
@@ -504,6 +542,20 @@ def stop_heartbeats(handler: Any, wait_s: float = HEARTBEAT_STOP_WAIT_S) -> None
         stopper = threading.Thread(target=stop, name="ddpjob-heartbeat-stop", daemon=True)
         stopper.start()
         stopper.join(wait_s)
+
+
+def recorded_stop(cfg: config.Config, checkpoint_dir: Where, codes: Sequence[int | None]) -> stop_record.Outcome | None:
+    """Where this attempt's workers stopped, and whether its checkpoint is verified (stop_record.py).
+    codes: this node's workers' exit codes; when all are 75 (each reported the stop's checkpoint
+    saved, maybe by rank 0 on another node), wait up to --fs-timeout for this node's view of shared
+    storage to show it; a worker that failed gets no wait."""
+    saved = bool(codes) and all(code == EXIT_PREEMPTED for code in codes)
+    return stop_record.outcome(cfg.run_dir, checkpoint_dir, cfg.fs_timeout if saved else 0.0)
+
+
+def stopped_saved(found: stop_record.Outcome | None) -> TypeGuard[stop_record.Outcome]:
+    """A stop on a signal whose checkpoint is verified: exit 75, whatever the exit codes."""
+    return found is not None and bool(found.stop.signal) and found.saved
 
 
 def stopped_at(found: stop_record.Outcome) -> str:
@@ -554,10 +606,8 @@ def run_torchrun(cmd: list[str], plan: Plan, cfg: config.Config, training: bool 
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         line = worker_error(failure.error_file)
-        saved = all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values())  # each reported its checkpoint
-        wait = cfg.fs_timeout if saved else 0.0  # saved by rank 0 on another node: this node's view may lag
-        found = stop_record.outcome(cfg.run_dir, checkpoint_dir, wait) if training else None  # a signal to workers
-        if found is not None and found.stop.signal and found.saved:
+        found = recorded_stop(cfg, checkpoint_dir, [f.exitcode for f in exc.failures.values()]) if training else None
+        if stopped_saved(found):
             return EXIT_PREEMPTED, f"worker rank {rank} exited with {code}; {stopped_at(found)} (exit {EXIT_PREEMPTED})"
         if code == EXIT_PREEMPTED:  # exit 75 without a verified checkpoint of the stop: not 75
             return EXIT_STORAGE, f"worker rank {rank} exited with {code}, but {not_saved(found, checkpoint_dir)}"
@@ -572,6 +622,13 @@ def run_torchrun(cmd: list[str], plan: Plan, cfg: config.Config, training: bool 
     except RendezvousError as exc:
         detail = first_line(exc)
         if stops.pcontext is not None:  # workers ran: the rendezvous had formed, and its store went away
+            codes = list((stops.exit_codes() or {}).values())
+            found = recorded_stop(cfg, checkpoint_dir, codes) if training else None
+            if stopped_saved(found):  # node 0 stopped with the others and left first: a stop, not a failure
+                return EXIT_PREEMPTED, (
+                    f"the rendezvous store at {plan.endpoint} (node 0) closed as the nodes stopped ({detail}); "
+                    f"{stopped_at(found)} (exit {EXIT_PREEMPTED})"
+                )
             return EXIT_FAILED, (
                 f"the rendezvous store at {plan.endpoint} (node 0) is gone after the job had started ({detail}): "
                 "node 0 left or died, and the other nodes cannot re-form without it (an elastic job survives "
