@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHONPATH, alive, ddpjob, ok, records, spawn, trained_steps, wait_until, workers_of
-from ports import free_port
+from ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -157,44 +158,65 @@ def test_a_worker_killed_after_the_stop_checkpoint_was_sealed_leaves_exit_75(wor
     assert not [pid for pid in workers if alive(pid)]
 
 
-SLOW_EXIT_ON_THIS_NODE = """
+HELD_EXIT_ON_THIS_NODE = """
 import os
-if "LOCAL_RANK" in os.environ and os.environ.get("SLOW_EXIT_ON_THIS_NODE"):  # this node's workers
+if "LOCAL_RANK" in os.environ and os.environ.get("HELD_EXIT_ON_THIS_NODE"):  # this node's workers
     import time
+    from pathlib import Path
     import torch.distributed as dist
 
-    def slow_destroy(*args, **kwargs):  # after the stop's checkpoint is sealed and agreed by every rank
-        time.sleep(60)
+    def held_destroy(*args, **kwargs):  # after the stop's checkpoint is sealed and agreed by every rank
+        release = Path(os.environ["HELD_EXIT_ON_THIS_NODE"])
+        for _ in range(6000):
+            if release.exists():
+                return
+            time.sleep(0.01)
 
-    dist.destroy_process_group = slow_destroy
+    dist.destroy_process_group = held_destroy
 """
 
 
-def test_a_node_whose_store_host_left_first_after_a_stop_exits_75_not_1(work, tmp_path_factory):
+def test_a_node_whose_store_host_left_first_after_a_stop_exits_75_though_node_0_was_replaced(work, tmp_path_factory):
     """A drain of node 0 (or any node) stops every rank at one step with a verified checkpoint. Node 0
     hosts the rendezvous store and may leave first, while another node's workers are still on their
     way out: that node's agent then finds the store gone. Its stop is still a stop (75, not counted
-    by the scheduler), not a failure (1, counted against the Job's backoffLimit). Forced here: node
-    1's worker is held after the stop's checkpoint, until --shutdown-timeout kills it."""
+    by the scheduler), not a failure (1, counted against the Job's backoffLimit). Meanwhile node 0's
+    replacement starts at once (the Job ignores its 75) in the same RUN_DIR: it must not take away the
+    record of the stop that node 1 has yet to read. Forced: node 1's worker is held after the stop's
+    checkpoint until the replacement's store listens."""
     site = tmp_path_factory.mktemp("site")
-    (site / "sitecustomize.py").write_text(SLOW_EXIT_ON_THIS_NODE)
-    port, env = free_port(), {"PYTHONPATH": f"{site}:{PYTHONPATH}"}
-    flags = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *JOB, "--nproc-per-node", "1"]
-    flags += ["--epochs", "3", "--stop-check-every", "5", "--shutdown-timeout", "5"]
+    (site / "sitecustomize.py").write_text(HELD_EXIT_ON_THIS_NODE)
+    release = site / "release"
+    port, replacement_port = free_ports(2)
+    env = {"PYTHONPATH": f"{site}:{PYTHONPATH}"}
+    flags = ["--nnodes", "2", *JOB, "--nproc-per-node", "1"]
+    flags += ["--epochs", "3", "--stop-check-every", "5", "--shutdown-timeout", "60"]
+    at = ["--rdzv-endpoint", f"127.0.0.1:{port}"]
     nodes = [
-        spawn(["launch", *flags, "--node-rank", "0"], work, **env),
-        spawn(["launch", *flags, "--node-rank", "1"], work, SLOW_EXIT_ON_THIS_NODE="1", **env),
+        spawn(["launch", *flags, *at, "--node-rank", "0"], work, **env),
+        spawn(["launch", *flags, *at, "--node-rank", "1"], work, HELD_EXIT_ON_THIS_NODE=str(release), **env),
     ]
     try:
         wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 20, 120, "training to start")
         nodes[0].send_signal(signal.SIGTERM)  # the drain of node 0
-        outs = [node.communicate(timeout=180)[0] for node in nodes]
+        outs = [nodes[0].communicate(timeout=180)[0]]
+        assert nodes[0].returncode == 75 and nodes[1].poll() is None, outs[0][-3000:]
+        at = ["--rdzv-endpoint", f"127.0.0.1:{replacement_port}"]  # its own port: node 1 must not join it
+        nodes.append(spawn(["launch", *flags, *at, "--node-rank", "0"], work, **env))
+        wait_until(lambda: listens(replacement_port), 120, "node 0's replacement to host its store")
+        release.touch()
+        outs.append(nodes[1].communicate(timeout=180)[0])
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
                 node.wait()
-    assert [node.returncode for node in nodes] == [75, 75], [out[-3000:] for out in outs]
+    assert nodes[1].returncode == 75, outs[1][-3000:]
     last = outs[1].strip().splitlines()[-1]
-    assert "(node 0) closed as the nodes stopped" in last and "is verified (exit 75)" in last, outs[1][-3000:]
+    assert "ended as the nodes stopped" in last and "is verified (exit 75)" in last, outs[1][-3000:]
     assert sum(out.count("[ddpjob] saved ") for out in outs) == 1  # one checkpoint, by rank 0
+
+
+def listens(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0

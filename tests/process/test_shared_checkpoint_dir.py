@@ -33,7 +33,8 @@ from helpers import (
 )
 from ports import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+# Two at a time, but for the two tests that race a deadline (`serial`, alone).
+pytestmark = pytest.mark.slow
 SHORT = ["--epochs", "3", "--log-every", "1000"]
 
 
@@ -134,6 +135,7 @@ def test_a_second_job_on_a_live_jobs_checkpoint_dir_stops_at_once_in_one_line(wo
         assert first.returncode == 75
 
 
+@pytest.mark.serial  # the orphans must be gone within 10 s
 def test_workers_die_with_their_sigkilled_agent_and_the_next_job_takes_over(work):
     agent = spawn(["launch", "--nproc-per-node", "2", *JOB, "--epochs", "100"], work)
     wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 5, 120, "training to start")
@@ -146,6 +148,7 @@ def test_workers_die_with_their_sigkilled_agent_and_the_next_job_takes_over(work
     ok(ddpjob(["train", *JOB, "--max-steps", "10"], work, timeout=120))  # the dir's lock went with them
 
 
+@pytest.mark.serial  # a 16 s save against a 3 s --collective-timeout
 def test_a_save_slower_than_the_collective_timeout_is_not_a_dead_peer(work):
     out = ok(
         torchrun(

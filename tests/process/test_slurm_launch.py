@@ -15,8 +15,6 @@ import pytest
 from helpers import PYTHONPATH
 from launch_cases import SLURM_HEAD, config_and_plan
 
-pytestmark = pytest.mark.serial  # timing-sensitive: `make process` runs it alone
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -58,6 +56,8 @@ step &
 pid=$!
 trap 'kill -s USR1 $pid' USR1
 trap 'echo "srun got TERM: forcing job termination" >> "$LOG_DIR/srun.log"; kill -s KILL $pid' TERM
+until [ -s "$LOG_DIR/step.pid" ]; do sleep 0.01; done
+touch "$LOG_DIR/srun.ready"  # its traps are set and its step runs
 while :; do wait $pid; rc=$?; kill -0 $pid 2>/dev/null || exit $rc; done
 """,
     "step": """#!/bin/bash
@@ -77,9 +77,9 @@ echo "scontrol $*" >> "$LOG_DIR/scontrol.log"
 }
 
 
-def run_sbatch(tmp_path, sig, ready="step.pid", args=("--epochs", "1"), **env):
-    """Run the batch script with ddpjob flags `args` until file `ready` appears (its step runs), send
-    it `sig`; (exit code, output, logs by name)."""
+def run_sbatch(tmp_path, sig, ready="srun.ready", args=("--epochs", "1"), **env):
+    """Run the batch script with ddpjob flags `args` until file `ready` appears (srun's traps are set and
+    its step runs), send it `sig`, then mark it sent (file `signalled`); (exit code, output, logs by name)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, script in FAKES.items():
@@ -111,8 +111,8 @@ def run_sbatch(tmp_path, sig, ready="step.pid", args=("--epochs", "1"), **env):
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, f"the batch script never got to {ready}"
         time.sleep(0.05)
-    time.sleep(0.2)  # the script is in its wait loop now
     proc.send_signal(sig)
+    (tmp_path / "signalled").touch()
     out, _ = proc.communicate(timeout=60)
     logs = {
         name: (tmp_path / f"{name}.log").read_text() if (tmp_path / f"{name}.log").is_file() else "" for name in FAKES
@@ -294,8 +294,11 @@ def test_a_container_mounts_a_dir_given_as_a_flag(tmp_path, form):
 
 
 FAKE_DDPJOB = """#!/bin/bash
-# `ddpjob config` as slow as importing torch from a shared filesystem
-if [ "$1" = config ]; then touch "$LOG_DIR/config.started"; sleep 1; fi
+# `ddpjob config` as slow as importing torch from a shared filesystem: it ends after the signal was sent
+if [ "$1" = config ]; then
+    touch "$LOG_DIR/config.started"
+    until [ -e "$LOG_DIR/signalled" ]; do sleep 0.01; done
+fi
 """
 
 

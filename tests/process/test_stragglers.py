@@ -12,7 +12,7 @@ import pytest
 
 from helpers import PY, REPO, clean_env, ok, rank_of, spawn, wait_until, workers_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 JOB = ["--data", "ddpjob.plugins:synthetic(samples=8192)", "--model", "ddpjob.plugins:synthetic_mlp(width=256)"]
 JOB += ["--epochs", "50", "--max-steps", "400", "--log-every", "20", "--save-every", "0"]
@@ -34,6 +34,7 @@ def quota(pid: int, done: threading.Event, run_s: float = 0.005, stop_s: float =
             return
 
 
+@pytest.mark.serial  # it measures step times: alone
 def test_a_rank_held_to_a_cpu_quota_is_named_as_the_straggler_with_its_host(tmp_path):
     agent = spawn(["launch", "--nproc-per-node", "2", *JOB], tmp_path)
     wait_until(lambda: len(workers_of(agent.pid)) == 2, 60, "two workers")

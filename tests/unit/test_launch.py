@@ -156,6 +156,7 @@ def test_after_a_stop_signal_launch_exits_75_iff_the_stop_steps_checkpoint_verif
 
     run_dir, ckpt = tmp_path / "run", tmp_path / "run/checkpoints"
     ckpt.mkdir(parents=True)
+    stops = agent.AgentSignals(7, run_dir, ckpt)  # launch starts; then its workers write
     if on_disk:
         stop_record.record(run_dir, 40, 0 if on_disk == "finished" else signal.SIGTERM)
     if on_disk in ("verified", "corrupt", "finished"):
@@ -164,7 +165,6 @@ def test_after_a_stop_signal_launch_exits_75_iff_the_stop_steps_checkpoint_verif
         with open(ckpt / "step-40.pt", "r+b") as f:
             f.seek(-100, 2)
             f.write(b"x" * 10)
-    stops = agent.AgentSignals(7, run_dir, ckpt)
     stops.count = 2
     if codes is not None:
         handlers = {rank: SimpleNamespace(proc=_Proc(code)) for rank, code in enumerate(codes)}
@@ -385,19 +385,18 @@ def test_launch_dry_run_calls_no_data_factory(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "calls").exists()
 
 
-def _stop_at_40(tmp_path):
-
+def _stop_at_40(tmp_path, fs_timeout):
+    """Launch's AgentSignals, then its workers' record of a stop at step 40; (them, the checkpoint dir)."""
     from ddpjob.checkpoint import stop_record
 
     run_dir, ckpt = tmp_path / "run", tmp_path / "run/checkpoints"
     ckpt.mkdir(parents=True)
-    stop_record.record(run_dir, 40, signal.SIGTERM)
-    return run_dir, ckpt
-
-
-def _outcome(run_dir, ckpt, codes, fs_timeout):
-
     stops = agent.AgentSignals(7, run_dir, ckpt, fs_timeout)
+    stop_record.record(run_dir, 40, signal.SIGTERM)
+    return stops, ckpt
+
+
+def _outcome(stops, codes):
     stops.pcontext = SimpleNamespace(
         subprocess_handlers={r: SimpleNamespace(proc=_Proc(c)) for r, c in enumerate(codes)}
     )
@@ -411,7 +410,7 @@ def test_a_node_whose_storage_lags_waits_up_to_fs_timeout_for_the_checkpoint_its
 
     from ddpjob.checkpoint.formats import single_file
 
-    run_dir, ckpt = _stop_at_40(tmp_path)
+    stops, ckpt = _stop_at_40(tmp_path, fs_timeout=60)
     elsewhere = tmp_path / "node0-view"
     elsewhere.mkdir()
     single_file.save({"w": torch.ones(1000)}, elsewhere / "step-40.pt")
@@ -425,7 +424,7 @@ def test_a_node_whose_storage_lags_waits_up_to_fs_timeout_for_the_checkpoint_its
     lag = threading.Thread(target=catch_up)
     lag.start()
     try:
-        code, reason = _outcome(run_dir, ckpt, [75, 75], fs_timeout=60)
+        code, reason = _outcome(stops, [75, 75])
     finally:
         lag.join()
     assert code == 75 and "step-40.pt is verified" in reason, reason
@@ -438,8 +437,8 @@ def test_a_node_whose_worker_failed_its_save_does_not_wait_for_the_checkpoint(tm
         raise AssertionError(f"waited {seconds} s for a checkpoint a worker failed to save")
 
     monkeypatch.setattr(stop_record.time, "sleep", no_wait)
-    run_dir, ckpt = _stop_at_40(tmp_path)
-    code, reason = _outcome(run_dir, ckpt, [75, 3], fs_timeout=60)
+    stops, _ = _stop_at_40(tmp_path, fs_timeout=60)
+    code, reason = _outcome(stops, [75, 3])
     assert code == 3 and "no verified checkpoint of step 40" in reason, reason
 
 
@@ -468,35 +467,47 @@ def test_launch_stops_a_heartbeat_thread_from_its_own_thread_and_waits_for_a_hun
 
 
 @pytest.mark.parametrize(
-    ("signals", "fails"),
-    [(1, False), (1, True), (2, False)],
-    ids=["start-returns", "start-fails", "second-signal-counted"],
+    ("method", "signals", "fails"),
+    [("_start_workers", 1, False), ("_start_workers", 1, True), ("_start_workers", 2, False), ("_shutdown", 1, False)],
+    ids=["start-returns", "start-fails", "second-signal-counted", "shutdown-returns"],
 )
-def test_a_stop_signal_while_the_agent_starts_its_workers_is_raised_once_it_has_recorded_them(
-    monkeypatch, tmp_path, signals, fails
+def test_a_stop_signal_while_the_agent_starts_or_stops_its_workers_is_raised_once_that_has_returned(
+    monkeypatch, tmp_path, method, signals, fails
 ):
     """A real signal through the handlers installed() puts in place, sent from inside the agent's start
-    of its workers (after the first worker exists, before the agent has recorded them): it is raised
-    only once the start has returned, so the agent knows the workers it must stop."""
+    of its workers (after the first worker exists, before the agent has recorded them) or its stop of
+    them: it is raised only once that has returned, so the agent knows, and has closed, its workers."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    def start(agent_self, worker_group):
+    def start_or_stop(agent_self, *args, **kwargs):
         for _ in range(signals):
             os.kill(os.getpid(), signal.SIGUSR1)  # delivered here, at the next bytecode
-        agent_self.recorded = True  # the agent's self._pcontext = start_processes(...)
+        agent_self.done = True  # the agent's self._pcontext = start_processes(...), or its close
         if fails:
             raise RuntimeError("a worker failed to exec")
         return {0: 1234}
 
-    monkeypatch.setattr(LocalElasticAgent, "_start_workers", start)
-    stops, starter = agent.AgentSignals(7, tmp_path, tmp_path), SimpleNamespace(recorded=False)
+    monkeypatch.setattr(LocalElasticAgent, method, start_or_stop)
+    stops, the_agent = agent.AgentSignals(7, tmp_path, tmp_path), SimpleNamespace(done=False)
     previous = signal.getsignal(signal.SIGUSR1)
     try:
         with stops.installed("SIGUSR1"), pytest.raises(SignalException) as raised:
-            LocalElasticAgent._start_workers(starter, None)
+            getattr(LocalElasticAgent, method)(the_agent, None)
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert starter.recorded and raised.value.sigval == signal.SIGUSR1 and stops.count == signals
+    assert the_agent.done and raised.value.sigval == signal.SIGUSR1 and stops.count == signals
     assert isinstance(raised.value.__cause__, RuntimeError) == fails
-    assert LocalElasticAgent._start_workers is start and not stops.starting  # put back
+    assert getattr(LocalElasticAgent, method) is start_or_stop and not stops.holding  # put back
+
+
+def test_launch_reads_past_an_earlier_attempts_stop_record_without_removing_it(tmp_path):
+    """Another node's launch may still need that record (node 0 replaced while node 1 stops)."""
+    from ddpjob.checkpoint import stop_record
+
+    stop_record.record(tmp_path, 40, signal.SIGTERM)
+    stale = agent.AgentSignals(7, tmp_path, tmp_path / "checkpoints").stale
+    assert stale is not None and (tmp_path / stop_record.NAME).exists()
+    assert stop_record.read(tmp_path, stale) is None and stop_record.read(tmp_path) == stop_record.Stop(40, 15)
+    stop_record.record(tmp_path, 41, signal.SIGUSR1)  # this attempt's stop: a new file over the old one
+    assert stop_record.read(tmp_path, stale) == stop_record.Stop(41, signal.SIGUSR1)

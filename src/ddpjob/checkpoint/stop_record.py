@@ -7,8 +7,11 @@ checkpoint, or be killed after it was sealed), so the exit code is decided by wh
 Every worker writes ``RUN_DIR/stop.json`` (the same content on every rank; each replaces it
 atomically) when the ranks agree to stop on a signal, and when training has finished (the last
 step is then where it stopped: a signal during the final evaluation finds it). The loop removes it
-as training starts, and ``ddpjob launch`` before the first worker starts, so a record is never of
-an earlier attempt. ``outcome`` then checks the checkpoint of that step with its format's verify.
+as training starts. ``ddpjob launch`` marks the one there before its first worker starts as stale
+(``mark``) and reads past it: a record is never of an earlier attempt. It does not remove it: in a
+job of several nodes sharing RUN_DIR, node 0 may stop first and be replaced at once (a Job ignores
+exit 75), while another node's launch still waits for its workers and has yet to read the record of
+their stop. ``outcome`` then checks the checkpoint of that step with its format's verify.
 """
 
 from __future__ import annotations
@@ -62,10 +65,26 @@ def clear(run_dir: str | Path) -> None:
         (Path(run_dir) / NAME).unlink()
 
 
-def read(run_dir: str | Path) -> Stop | None:
-    """The recorded stop, or None (none recorded, or unreadable)."""
+Mark = tuple[int, int] | None  # a record's file (inode, mtime in ns); None: there was none
+
+
+def mark(run_dir: str | Path) -> Mark:
+    """The record there now (an earlier attempt's), for read() to pass over: a record written later
+    is a new file (written aside, then renamed over it), never the same inode and mtime."""
     try:
-        found = json.loads((Path(run_dir) / NAME).read_text())
+        found = (Path(run_dir) / NAME).stat()
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns
+
+
+def read(run_dir: str | Path, stale: Mark = None) -> Stop | None:
+    """The recorded stop, or None (none recorded, unreadable, or the one marked stale)."""
+    path = Path(run_dir) / NAME
+    try:
+        if stale is not None and mark(run_dir) == stale:
+            return None
+        found = json.loads(path.read_text())
         return Stop(int(found["step"]), int(found["signal"]))
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -98,14 +117,15 @@ def lost(step: int, checkpoint_dir: Where) -> str:
     return f"all {step} steps are lost (no checkpoint)"
 
 
-def outcome(run_dir: str | Path, checkpoint_dir: Where, wait: float = 0.0) -> Outcome | None:
-    """The recorded stop and whether its checkpoint is verified on disk; None: no stop recorded.
+def outcome(run_dir: str | Path, checkpoint_dir: Where, wait: float = 0.0, stale: Mark = None) -> Outcome | None:
+    """The recorded stop and whether its checkpoint is verified on disk; None: no stop recorded
+    (but the one marked ``stale``).
 
     ``wait``: seconds to keep looking when the checkpoint is not verified yet. A node whose workers
     all reported the stop's checkpoint saved (exit 75) may not see it yet: rank 0 on another node
     sealed it, and this node's view of shared storage (NFS attribute and directory caches) lags.
     The caller passes --fs-timeout then, and 0 when a worker failed (no wait on a failed save)."""
-    stop = read(run_dir)
+    stop = read(run_dir, stale)
     if stop is None:
         return None
     deadline, told = time.monotonic() + wait, False

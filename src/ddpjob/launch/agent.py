@@ -363,7 +363,6 @@ def main(argv: Sequence[str]) -> int:
     if not doctor.report(doctor.run(cfg, plan, brief=True), brief=True):
         raise UsageError("preflight check failed (see the fix above); `ddpjob doctor` shows every check")
     record_attempt(cfg, plan, event="start")
-    stop_record.clear(cfg.run_dir)  # only this attempt's workers say where training stopped
     code, reason = run_torchrun(cmd, plan, cfg)
     outcome: dict[str, object] = {}
     if code == EXIT_NO_RENDEZVOUS:
@@ -394,41 +393,57 @@ class AgentSignals:
     ) -> None:
         self.shutdown_timeout, self.fs_timeout = shutdown_timeout, fs_timeout
         self.run_dir, self.checkpoint_dir = run_dir, checkpoint_dir  # run_dir None: workers that do not train
+        self.stale = stop_record.mark(run_dir) if run_dir is not None else None  # an earlier attempt's record
         self.first: signal.Signals | None = None
         self.count = 0
         self.done = False  # torchrun has returned
-        self.starting = False  # the agent is starting its workers: a first signal is held (start_workers)
+        self.holding = False  # the agent starts or stops its workers: a first signal is held (held)
         self.pcontext: Any = None  # the agent's latest worker processes (a torch PContext)
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
         if self.first is None and not self.done:
             self.first = signal.Signals(signum)
-            if not self.starting:
+            if not self.holding:
                 raise_stop(self.first)
 
-    def start_workers(self, start: Any, agent: Any, worker_group: Any) -> Any:
-        """The agent's start of its workers, with a first stop signal held until it has returned.
+    def held(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """One of the agent's starts or stops of its workers, with a first stop signal held until it
+        has returned, then raised.
 
-        The agent records its workers only as its start returns (``self._pcontext = start_processes(...)``):
-        a signal raised inside the start, while the last worker's ``Popen`` waits for its exec, would
-        leave the workers already started unknown to the agent's shutdown, orphaned, ending by
-        themselves after launch's last line. Held, the signal is raised once they are recorded, and
-        they are stopped as on any stop (the signal, then SIGKILL after --shutdown-timeout). A start
-        that fails still raises the held signal, with the failure as its cause."""
+        - Start: the agent records its workers only as the start returns (``self._pcontext =
+          start_processes(...)``). A signal raised inside it, while the last worker's ``Popen`` waits
+          for its exec, would leave the workers already started unknown to the agent's shutdown:
+          orphaned, ending by themselves after launch's last line. Held, it is raised once they are
+          recorded, and they are stopped as on any stop (the signal, then SIGKILL after
+          --shutdown-timeout).
+        - Stop (``_shutdown``, also on the way out after the rendezvous store went away): a signal
+          raised inside it would cut short the closing of the workers, which would outlive launch.
+          Held, it is raised once they are closed.
+
+        A start or stop that fails still raises the held signal, with the failure as its cause."""
         before = self.first
-        self.starting = True
+        self.holding = True
         try:
-            started = start(agent, worker_group)
+            result = method(*args, **kwargs)
         except BaseException as exc:
-            self.starting = False  # before the check: a signal from here on raises by itself
+            self.holding = False  # before the check: a signal from here on raises by itself
             if before is None and self.first is not None:
                 raise_stop(self.first, exc)
             raise
-        self.starting = False
+        self.holding = False
         if before is None and self.first is not None:
             raise_stop(self.first)
-        return started
+        return result
+
+    def recorded(self, saved: bool) -> stop_record.Outcome | None:
+        """Where this attempt's workers stopped, and whether its checkpoint is verified (stop_record.py);
+        None for workers that do not train. saved: the stop's checkpoint was reported saved (this
+        node's workers all exited 75), or the nodes stopped together; then wait up to --fs-timeout for
+        this node's view of shared storage to show what rank 0, maybe on another node, sealed."""
+        if self.run_dir is None:
+            return None
+        return stop_record.outcome(self.run_dir, self.checkpoint_dir, self.fs_timeout if saved else 0.0, self.stale)
 
     @contextlib.contextmanager
     def installed(self, names: str) -> Iterator[None]:
@@ -443,11 +458,11 @@ class AgentSignals:
         original_handler = getattr(api, "_terminate_process_handler", None)
         original_start = getattr(local_elastic_agent, "start_processes", None)
         agent_class = local_elastic_agent.LocalElasticAgent
-        original_start_workers = agent_class.__dict__.get("_start_workers")
-        if not (callable(original_handler) and callable(original_start) and callable(original_start_workers)):
+        held = {name: agent_class.__dict__.get(name) for name in ("_start_workers", "_shutdown")}
+        if not (callable(original_handler) and callable(original_start) and all(map(callable, held.values()))):
             raise UsageError(
-                f"torch {torch.__version__}'s elastic agent has no _terminate_process_handler, start_processes or "
-                "_start_workers; "
+                f"torch {torch.__version__}'s elastic agent has no _terminate_process_handler, start_processes, "
+                "_start_workers or _shutdown; "
                 "ddpjob launch cannot tell checkpointed workers from failed ones: use a torch that ddpjob is tested with"
             )
 
@@ -458,8 +473,8 @@ class AgentSignals:
             self.pcontext = original_start(*args, **kwargs)
             return self.pcontext
 
-        def start_workers(agent: Any, worker_group: Any) -> Any:
-            return self.start_workers(original_start_workers, agent, worker_group)
+        def holding(method: Any) -> Any:
+            return lambda *args, **kwargs: self.held(method, *args, **kwargs)
 
         def get_rendezvous_handler(*args: Any, **kwargs: Any) -> Any:
             handlers.append(original_handler_of(*args, **kwargs))
@@ -468,13 +483,15 @@ class AgentSignals:
         for name in names.split(","):
             signal.signal(getattr(signal, name), self.handle)
         api._terminate_process_handler, local_elastic_agent.start_processes = self.handle, start_processes
-        agent_class._start_workers = start_workers  # type: ignore[method-assign]
+        for name, method in held.items():
+            setattr(agent_class, name, holding(method))
         registry.get_rendezvous_handler = get_rendezvous_handler
         try:
             yield
         finally:
             api._terminate_process_handler, local_elastic_agent.start_processes = original_handler, original_start
-            agent_class._start_workers = original_start_workers  # type: ignore[method-assign]
+            for name, method in held.items():
+                setattr(agent_class, name, method)
             registry.get_rendezvous_handler = original_handler_of
             self.done = True
             for handler in handlers:  # see stop_heartbeats
@@ -501,8 +518,7 @@ class AgentSignals:
         by_rank = f"exit codes by local rank: {', '.join(shown.values())}"
         if all(code == 0 for code in codes.values()):
             return 0, f"got {got} as the workers finished (exit 0)"
-        wait = self.fs_timeout if all(code == EXIT_PREEMPTED for code in codes.values()) else 0.0  # all saved
-        found = stop_record.outcome(self.run_dir, self.checkpoint_dir, wait) if self.run_dir is not None else None
+        found = self.recorded(all(code == EXIT_PREEMPTED for code in codes.values()))
         if found is not None and found.saved:
             return EXIT_PREEMPTED, f"got {got}; {stopped_at(found)} (exit {EXIT_PREEMPTED}); {by_rank}"
         if found is None and all(code == -sig for code in codes.values()):  # killed by the signal itself:
@@ -542,15 +558,6 @@ def stop_heartbeats(handler: Any, wait_s: float = HEARTBEAT_STOP_WAIT_S) -> None
         stopper = threading.Thread(target=stop, name="ddpjob-heartbeat-stop", daemon=True)
         stopper.start()
         stopper.join(wait_s)
-
-
-def recorded_stop(cfg: config.Config, checkpoint_dir: Where, codes: Sequence[int | None]) -> stop_record.Outcome | None:
-    """Where this attempt's workers stopped, and whether its checkpoint is verified (stop_record.py).
-    codes: this node's workers' exit codes; when all are 75 (each reported the stop's checkpoint
-    saved, maybe by rank 0 on another node), wait up to --fs-timeout for this node's view of shared
-    storage to show it; a worker that failed gets no wait."""
-    saved = bool(codes) and all(code == EXIT_PREEMPTED for code in codes)
-    return stop_record.outcome(cfg.run_dir, checkpoint_dir, cfg.fs_timeout if saved else 0.0)
 
 
 def stopped_saved(found: stop_record.Outcome | None) -> TypeGuard[stop_record.Outcome]:
@@ -606,7 +613,7 @@ def run_torchrun(cmd: list[str], plan: Plan, cfg: config.Config, training: bool 
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         line = worker_error(failure.error_file)
-        found = recorded_stop(cfg, checkpoint_dir, [f.exitcode for f in exc.failures.values()]) if training else None
+        found = stops.recorded(all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()))
         if stopped_saved(found):
             return EXIT_PREEMPTED, f"worker rank {rank} exited with {code}; {stopped_at(found)} (exit {EXIT_PREEMPTED})"
         if code == EXIT_PREEMPTED:  # exit 75 without a verified checkpoint of the stop: not 75
@@ -622,11 +629,13 @@ def run_torchrun(cmd: list[str], plan: Plan, cfg: config.Config, training: bool 
     except RendezvousError as exc:
         detail = first_line(exc)
         if stops.pcontext is not None:  # workers ran: the rendezvous had formed, and its store went away
-            codes = list((stops.exit_codes() or {}).values())
-            found = recorded_stop(cfg, checkpoint_dir, codes) if training else None
-            if stopped_saved(found):  # node 0 stopped with the others and left first: a stop, not a failure
+            # Node 0 may stop with the others and leave first (its store with it), while these workers
+            # still exit: a stop, not a failure. Their codes say nothing then (the agent's shutdown
+            # killed them on the way out), so the wait for shared storage is for any recorded stop.
+            found = stops.recorded(saved=True)
+            if stopped_saved(found):
                 return EXIT_PREEMPTED, (
-                    f"the rendezvous store at {plan.endpoint} (node 0) closed as the nodes stopped ({detail}); "
+                    f"the rendezvous at {plan.endpoint} ended as the nodes stopped ({detail}); "
                     f"{stopped_at(found)} (exit {EXIT_PREEMPTED})"
                 )
             return EXIT_FAILED, (
