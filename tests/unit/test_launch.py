@@ -501,13 +501,32 @@ def test_a_stop_signal_while_the_agent_starts_or_stops_its_workers_is_raised_onc
     assert getattr(LocalElasticAgent, method) is start_or_stop and not stops.holding  # put back
 
 
-def test_launch_reads_past_an_earlier_attempts_stop_record_without_removing_it(tmp_path):
-    """Another node's launch may still need that record (node 0 replaced while node 1 stops)."""
-    from ddpjob.checkpoint import stop_record
+def test_a_stop_record_from_before_the_agent_last_started_workers_is_read_past_and_left(monkeypatch, tmp_path):
+    """An earlier attempt's or round's record is not the new workers': launch reads past it from the
+    agent's start of them on, and leaves it (another node's launch may still need it: node 0 replaced,
+    or the others re-formed, while node 1 stops). A later record is read, even in the same inode."""
+    import torch
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    stop_record.record(tmp_path, 40, signal.SIGTERM)
-    stale = agent.AgentSignals(7, tmp_path, tmp_path / "checkpoints").stale
-    assert stale is not None and (tmp_path / stop_record.NAME).exists()
-    assert stop_record.read(tmp_path, stale) is None and stop_record.read(tmp_path) == stop_record.Stop(40, 15)
-    stop_record.record(tmp_path, 41, signal.SIGUSR1)  # this attempt's stop: a new file over the old one
-    assert stop_record.read(tmp_path, stale) == stop_record.Stop(41, signal.SIGUSR1)
+    from ddpjob.checkpoint import stop_record
+    from ddpjob.checkpoint.formats import single_file
+
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", lambda agent_self, worker_group: {0: 1234})
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    stops = agent.AgentSignals(7, tmp_path, ckpt)
+    stop_record.record(tmp_path, 40, signal.SIGTERM)  # an earlier round's stop, with its checkpoint
+    single_file.save({"w": torch.ones(10)}, ckpt / "step-40.pt")
+    assert agent.stopped_saved(stops.recorded(saved=False))
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        with stops.installed("SIGUSR1"):
+            LocalElasticAgent._start_workers(None, None)  # the agent starts a new round's workers
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert stops.recorded(saved=False) is None and (tmp_path / stop_record.NAME).exists()
+    path = tmp_path / stop_record.NAME
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))  # as a later file in its inode
+    assert stop_record.read(tmp_path, stops.stale) == stop_record.Stop(40, signal.SIGTERM)
+    stop_record.record(tmp_path, 41, signal.SIGUSR1)
+    assert stops.recorded(saved=False).stop == stop_record.Stop(41, signal.SIGUSR1)

@@ -6,17 +6,17 @@ checkpoint, or be killed after it was sealed), so the exit code is decided by wh
 
 Every worker writes ``RUN_DIR/stop.json`` (the same content on every rank; each replaces it
 atomically) when the ranks agree to stop on a signal, and when training has finished (the last
-step is then where it stopped: a signal during the final evaluation finds it). The loop removes it
-as training starts. ``ddpjob launch`` marks the one there before its first worker starts as stale
-(``mark``) and reads past it: a record is never of an earlier attempt. It does not remove it: in a
-job of several nodes sharing RUN_DIR, node 0 may stop first and be replaced at once (a Job ignores
-exit 75), while another node's launch still waits for its workers and has yet to read the record of
-their stop. ``outcome`` then checks the checkpoint of that step with its format's verify.
+step is then where it stopped: a signal during the final evaluation finds it). Each time torchrun's
+agent in ``ddpjob launch`` starts workers, launch marks the record there as stale (``mark``) and
+reads past it, so a record is never of an earlier attempt or of an earlier round of an elastic job.
+Nothing removes it: in a job of several nodes sharing RUN_DIR, node 0 may stop first and be replaced
+at once (a Job ignores exit 75), or the others re-form and train on (elastic), while another node's
+launch still waits for its workers and has yet to read the record of their stop. ``outcome`` then
+checks the checkpoint of that step with its format's verify.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -60,17 +60,13 @@ def record(run_dir: str | Path, step: int, signal: int) -> None:
         log.warning(f"cannot record the stop step in {path}: {exc.strerror or exc}")
 
 
-def clear(run_dir: str | Path) -> None:
-    with contextlib.suppress(OSError):
-        (Path(run_dir) / NAME).unlink()
-
-
 Mark = tuple[int, int] | None  # a record's file (inode, mtime in ns); None: there was none
 
 
 def mark(run_dir: str | Path) -> Mark:
-    """The record there now (an earlier attempt's), for read() to pass over: a record written later
-    is a new file (written aside, then renamed over it), never the same inode and mtime."""
+    """The record there now (an earlier attempt's), for read() to pass over. A record written later is
+    another file (written aside, then renamed over it): it may get a freed inode again, but never
+    with the same mtime, to the nanosecond (the stale one is of an earlier start of workers)."""
     try:
         found = (Path(run_dir) / NAME).stat()
     except OSError:

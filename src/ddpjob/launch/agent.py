@@ -393,7 +393,7 @@ class AgentSignals:
     ) -> None:
         self.shutdown_timeout, self.fs_timeout = shutdown_timeout, fs_timeout
         self.run_dir, self.checkpoint_dir = run_dir, checkpoint_dir  # run_dir None: workers that do not train
-        self.stale = stop_record.mark(run_dir) if run_dir is not None else None  # an earlier attempt's record
+        self.stale: stop_record.Mark = None  # the record there as the agent last started workers (mark)
         self.first: signal.Signals | None = None
         self.count = 0
         self.done = False  # torchrun has returned
@@ -473,8 +473,13 @@ class AgentSignals:
             self.pcontext = original_start(*args, **kwargs)
             return self.pcontext
 
-        def holding(method: Any) -> Any:
-            return lambda *args, **kwargs: self.held(method, *args, **kwargs)
+        def start_workers(*args: Any, **kwargs: Any) -> Any:
+            if self.run_dir is not None:  # a record from before (an earlier attempt, or round) is not theirs
+                self.stale = stop_record.mark(self.run_dir)
+            return self.held(held["_start_workers"], *args, **kwargs)
+
+        def shutdown(*args: Any, **kwargs: Any) -> Any:
+            return self.held(held["_shutdown"], *args, **kwargs)
 
         def get_rendezvous_handler(*args: Any, **kwargs: Any) -> Any:
             handlers.append(original_handler_of(*args, **kwargs))
@@ -483,8 +488,7 @@ class AgentSignals:
         for name in names.split(","):
             signal.signal(getattr(signal, name), self.handle)
         api._terminate_process_handler, local_elastic_agent.start_processes = self.handle, start_processes
-        for name, method in held.items():
-            setattr(agent_class, name, holding(method))
+        agent_class._start_workers, agent_class._shutdown = start_workers, shutdown  # type: ignore[method-assign]
         registry.get_rendezvous_handler = get_rendezvous_handler
         try:
             yield

@@ -50,7 +50,6 @@ def train(job: Job) -> int:
     cfg, progress, feed, stop = job.cfg, job.progress, job.feed, job.stop
     accum = job.batching.grad_accum
     exit_code, start_time, first_step = EXIT_OK, time.perf_counter(), progress.step
-    stop_record.clear(cfg.run_dir)  # a stop recorded by an earlier attempt is not this one's
     gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short
 
     try:
