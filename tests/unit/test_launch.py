@@ -530,3 +530,38 @@ def test_a_stop_record_from_before_the_agent_last_started_workers_is_read_past_a
     assert stop_record.read(tmp_path, stops.stale) == stop_record.Stop(40, signal.SIGTERM)
     stop_record.record(tmp_path, 41, signal.SIGUSR1)
     assert stops.recorded(saved=False).stop == stop_record.Stop(41, signal.SIGUSR1)
+
+
+@pytest.mark.parametrize("recorded", ["before", "during"])
+def test_after_the_store_went_away_only_a_stop_agreed_before_the_agent_stopped_the_workers_counts(
+    monkeypatch, tmp_path, recorded
+):
+    """Node 0 gone: a stop the workers had recorded before the agent's own shutdown of them is the
+    nodes stopping together (75 when verified); one they record during it (the agent's SIGTERM, a
+    step whose checkpoint happens to exist) is not: node 0 died, and that is a failure."""
+    import torch
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from ddpjob.checkpoint import stop_record
+    from ddpjob.checkpoint.formats import single_file
+
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    single_file.save({"w": torch.ones(10)}, ckpt / "step-10.pt")
+
+    def shutdown(agent_self, *args, **kwargs):
+        if recorded == "during":
+            stop_record.record(tmp_path, 10, signal.SIGTERM)
+
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", shutdown)
+    stops = agent.AgentSignals(7, tmp_path, ckpt)
+    if recorded == "before":
+        stop_record.record(tmp_path, 10, signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        with stops.installed("SIGUSR1"):
+            LocalElasticAgent._shutdown(None)  # torch's run() on its way out after the RendezvousError
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    found = stops.stopped_before_the_agent()
+    assert agent.stopped_saved(found) == (recorded == "before"), found

@@ -122,8 +122,11 @@ def outcome(run_dir: str | Path, checkpoint_dir: Where, wait: float = 0.0, stale
     sealed it, and this node's view of shared storage (NFS attribute and directory caches) lags.
     The caller passes --fs-timeout then, and 0 when a worker failed (no wait on a failed save)."""
     stop = read(run_dir, stale)
-    if stop is None:
-        return None
+    return None if stop is None else checked(stop, checkpoint_dir, wait)
+
+
+def checked(stop: Stop, checkpoint_dir: Where, wait: float = 0.0) -> Outcome:
+    """A recorded stop and whether its checkpoint is verified on disk, looking for up to ``wait`` s."""
     deadline, told = time.monotonic() + wait, False
     while True:
         path, why = verified(checkpoint_dir, stop.step)

@@ -394,6 +394,7 @@ class AgentSignals:
         self.shutdown_timeout, self.fs_timeout = shutdown_timeout, fs_timeout
         self.run_dir, self.checkpoint_dir = run_dir, checkpoint_dir  # run_dir None: workers that do not train
         self.stale: stop_record.Mark = None  # the record there as the agent last started workers (mark)
+        self.agreed: stop_record.Stop | None = None  # the one there as the agent last stopped them, unasked
         self.first: signal.Signals | None = None
         self.count = 0
         self.done = False  # torchrun has returned
@@ -439,11 +440,20 @@ class AgentSignals:
     def recorded(self, saved: bool) -> stop_record.Outcome | None:
         """Where this attempt's workers stopped, and whether its checkpoint is verified (stop_record.py);
         None for workers that do not train. saved: the stop's checkpoint was reported saved (this
-        node's workers all exited 75), or the nodes stopped together; then wait up to --fs-timeout for
-        this node's view of shared storage to show what rank 0, maybe on another node, sealed."""
+        node's workers all exited 75); then wait up to --fs-timeout for this node's view of shared
+        storage to show what rank 0, maybe on another node, sealed."""
         if self.run_dir is None:
             return None
         return stop_record.outcome(self.run_dir, self.checkpoint_dir, self.fs_timeout if saved else 0.0, self.stale)
+
+    def stopped_before_the_agent(self) -> stop_record.Outcome | None:
+        """The stop on a signal that the workers had recorded before the agent stopped them of its own
+        accord (on its way out, after the rendezvous store went away), and whether its checkpoint is
+        verified, looking for up to --fs-timeout (their exit codes say nothing: the agent killed them).
+        None when they had not: then they stopped, if at all, because the agent stopped them."""
+        if self.agreed is None or not self.agreed.signal:
+            return None
+        return stop_record.checked(self.agreed, self.checkpoint_dir, self.fs_timeout)
 
     @contextlib.contextmanager
     def installed(self, names: str) -> Iterator[None]:
@@ -479,6 +489,8 @@ class AgentSignals:
             return self.held(held["_start_workers"], *args, **kwargs)
 
         def shutdown(*args: Any, **kwargs: Any) -> Any:
+            if self.first is None and self.run_dir is not None:  # not on a stop signal to this node
+                self.agreed = stop_record.read(self.run_dir, self.stale)
             return self.held(held["_shutdown"], *args, **kwargs)
 
         def get_rendezvous_handler(*args: Any, **kwargs: Any) -> Any:
@@ -634,9 +646,8 @@ def run_torchrun(cmd: list[str], plan: Plan, cfg: config.Config, training: bool 
         detail = first_line(exc)
         if stops.pcontext is not None:  # workers ran: the rendezvous had formed, and its store went away
             # Node 0 may stop with the others and leave first (its store with it), while these workers
-            # still exit: a stop, not a failure. Their codes say nothing then (the agent's shutdown
-            # killed them on the way out), so the wait for shared storage is for any recorded stop.
-            found = stops.recorded(saved=True)
+            # still exit: a stop, not a failure, when they had agreed on it before the agent stopped them.
+            found = stops.stopped_before_the_agent()
             if stopped_saved(found):
                 return EXIT_PREEMPTED, (
                     f"the rendezvous at {plan.endpoint} ended as the nodes stopped ({detail}); "
