@@ -532,13 +532,14 @@ def test_a_stop_record_from_before_the_agent_last_started_workers_is_read_past_a
     assert stops.recorded(saved=False).stop == stop_record.Stop(41, signal.SIGUSR1)
 
 
-@pytest.mark.parametrize("recorded", ["before", "during"])
+@pytest.mark.parametrize("recorded", ["before", "during", "during-a-restart"])
 def test_after_the_store_went_away_only_a_stop_agreed_before_the_agent_stopped_the_workers_counts(
     monkeypatch, tmp_path, recorded
 ):
     """Node 0 gone: a stop the workers had recorded before the agent's own shutdown of them is the
     nodes stopping together (75 when verified); one they record during it (the agent's SIGTERM, a
-    step whose checkpoint happens to exist) is not: node 0 died, and that is a failure."""
+    step whose checkpoint happens to exist) is not: node 0 died, and that is a failure. Also when
+    the agent stopped them for a restart, and its re-rendezvous then failed (a second shutdown)."""
     import torch
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -550,7 +551,7 @@ def test_after_the_store_went_away_only_a_stop_agreed_before_the_agent_stopped_t
     single_file.save({"w": torch.ones(10)}, ckpt / "step-10.pt")
 
     def shutdown(agent_self, *args, **kwargs):
-        if recorded == "during":
+        if recorded.startswith("during") and not (tmp_path / stop_record.NAME).exists():
             stop_record.record(tmp_path, 10, signal.SIGTERM)
 
     monkeypatch.setattr(LocalElasticAgent, "_shutdown", shutdown)
@@ -560,8 +561,37 @@ def test_after_the_store_went_away_only_a_stop_agreed_before_the_agent_stopped_t
     previous = signal.getsignal(signal.SIGUSR1)
     try:
         with stops.installed("SIGUSR1"):
+            if recorded == "during-a-restart":
+                LocalElasticAgent._shutdown(None)  # _restart_workers -> _stop_workers; then a failed rendezvous
             LocalElasticAgent._shutdown(None)  # torch's run() on its way out after the RendezvousError
     finally:
         signal.signal(signal.SIGUSR1, previous)
     found = stops.stopped_before_the_agent()
     assert agent.stopped_saved(found) == (recorded == "before"), found
+
+
+def test_a_stop_signal_while_launch_reads_the_stop_record_in_a_shutdown_is_held_too(monkeypatch, tmp_path):
+    """The read of what the workers agreed, at the start of the agent's shutdown, is inside the hold:
+    a signal there must not cut short the closing of the workers."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ddpjob.checkpoint import stop_record
+
+    read = stop_record.read
+
+    def signalled_read(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)  # delivered here, at the next bytecode
+        return read(*args, **kwargs)
+
+    closed = []
+    monkeypatch.setattr(stop_record, "read", signalled_read)
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda agent_self, *args, **kwargs: closed.append(True))
+    stops = agent.AgentSignals(7, tmp_path, tmp_path)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        with stops.installed("SIGUSR1"), pytest.raises(SignalException):
+            LocalElasticAgent._shutdown(None)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert closed == [True]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,7 @@ def record(run_dir: str | Path, step: int, signal: int) -> None:
     """Write (atomically, over any earlier one) the step where training stopped. Where RUN_DIR cannot
     be written, a warning: the stop then cannot be verified, and ends with a code other than 75."""
     path = Path(run_dir) / NAME
-    tmp = path.with_name(f".{NAME}.{os.getpid()}")
+    tmp = path.with_name(f".{NAME}.{socket.gethostname()}-{os.getpid()}")  # pods of a shared RUN_DIR share pids
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps({"step": step, "signal": signal}))
@@ -65,8 +66,9 @@ Mark = tuple[int, int] | None  # a record's file (inode, mtime in ns); None: the
 
 def mark(run_dir: str | Path) -> Mark:
     """The record there now (an earlier attempt's), for read() to pass over. A record written later is
-    another file (written aside, then renamed over it): it may get a freed inode again, but never
-    with the same mtime, to the nanosecond (the stale one is of an earlier start of workers)."""
+    another file (written aside, then renamed over it): it may get a freed inode again, but not the
+    same mtime, as it is written by workers started after this mark, seconds later at the least
+    (file times move in steps of 1 to 10 ms, on some NFS servers 1 s)."""
     try:
         found = (Path(run_dir) / NAME).stat()
     except OSError:

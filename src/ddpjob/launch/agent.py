@@ -394,7 +394,8 @@ class AgentSignals:
         self.shutdown_timeout, self.fs_timeout = shutdown_timeout, fs_timeout
         self.run_dir, self.checkpoint_dir = run_dir, checkpoint_dir  # run_dir None: workers that do not train
         self.stale: stop_record.Mark = None  # the record there as the agent last started workers (mark)
-        self.agreed: stop_record.Stop | None = None  # the one there as the agent last stopped them, unasked
+        self.agreed: stop_record.Stop | None = None  # the one there as the agent first stopped them, unasked
+        self.stopping = False  # the agent has stopped the workers it last started
         self.first: signal.Signals | None = None
         self.count = 0
         self.done = False  # torchrun has returned
@@ -438,7 +439,7 @@ class AgentSignals:
         return result
 
     def recorded(self, saved: bool) -> stop_record.Outcome | None:
-        """Where this attempt's workers stopped, and whether its checkpoint is verified (stop_record.py);
+        """Where the workers last started stopped, and whether its checkpoint is verified (stop_record.py);
         None for workers that do not train. saved: the stop's checkpoint was reported saved (this
         node's workers all exited 75); then wait up to --fs-timeout for this node's view of shared
         storage to show what rank 0, maybe on another node, sealed."""
@@ -468,7 +469,7 @@ class AgentSignals:
         original_handler = getattr(api, "_terminate_process_handler", None)
         original_start = getattr(local_elastic_agent, "start_processes", None)
         agent_class = local_elastic_agent.LocalElasticAgent
-        held = {name: agent_class.__dict__.get(name) for name in ("_start_workers", "_shutdown")}
+        held: dict[str, Any] = {name: agent_class.__dict__.get(name) for name in ("_start_workers", "_shutdown")}
         if not (callable(original_handler) and callable(original_start) and all(map(callable, held.values()))):
             raise UsageError(
                 f"torch {torch.__version__}'s elastic agent has no _terminate_process_handler, start_processes, "
@@ -486,12 +487,20 @@ class AgentSignals:
         def start_workers(*args: Any, **kwargs: Any) -> Any:
             if self.run_dir is not None:  # a record from before (an earlier attempt, or round) is not theirs
                 self.stale = stop_record.mark(self.run_dir)
+            self.agreed, self.stopping = None, False
             return self.held(held["_start_workers"], *args, **kwargs)
 
         def shutdown(*args: Any, **kwargs: Any) -> Any:
-            if self.first is None and self.run_dir is not None:  # not on a stop signal to this node
+            return self.held(read_then_shut_down, *args, **kwargs)
+
+        def read_then_shut_down(*args: Any, **kwargs: Any) -> Any:  # held: a signal cannot come between
+            # What the workers had agreed as the agent first stops them, unasked (not on a stop signal
+            # to this node): read once per start; after a restart's stop, the exit's shutdown does not
+            # read again what they recorded because of it.
+            if not self.stopping and self.first is None and self.run_dir is not None:
                 self.agreed = stop_record.read(self.run_dir, self.stale)
-            return self.held(held["_shutdown"], *args, **kwargs)
+            self.stopping = True
+            return held["_shutdown"](*args, **kwargs)
 
         def get_rendezvous_handler(*args: Any, **kwargs: Any) -> Any:
             handlers.append(original_handler_of(*args, **kwargs))
