@@ -2,6 +2,7 @@
 collectives and stacks to RUN_DIR/traces, and the verdict names the rank that stopped the job."""
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -18,6 +19,9 @@ JOB += ["--trace-after", "2", "--collective-timeout", "60"]
 def stuck_job(work: Path, *model: str):  # type: ignore[no-untyped-def]
     agent = spawn(["launch", "--nproc-per-node", "2", *JOB, *model], work)
     wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 3, 120, "training")
+    # A slow start-up (a fresh clone's first run) leaves every rank's traces of that stall: the test
+    # wants each rank's traces of the stall it makes next, or none, and diagnose reads what is there.
+    shutil.rmtree(work / "runs/ddpjob/traces", ignore_errors=True)
     return agent, {rank_of(pid): pid for pid in workers_of(agent.pid)}
 
 
