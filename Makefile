@@ -73,6 +73,7 @@ flaky: setup
 	rm -rf runs/flaky && mkdir -p runs/flaky
 	for i in $$(seq 1 $(N)); do \
 		$(BIN)/pytest -q -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \
+		echo $$? > runs/flaky/round-$$i.rc; \
 	done; $(BIN)/python tests/flaky.py $$(seq -f 'runs/flaky/round-%g.xml' 1 $(N))
 
 # End-to-end tests against a real Docker engine and Slurm daemons (root; installs what they need):

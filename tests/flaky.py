@@ -1,11 +1,15 @@
 """How often each test failed over rounds of the same tests: `make flaky N=5` runs the timing-
-sensitive tier (the `serial` mark) N times, each round writing a JUnit XML file, and this prints
-the summary. Usage: python tests/flaky.py ROUND.xml ...
+sensitive tier (the `serial` mark) N times, each round writing a JUnit XML file and, beside it,
+pytest's exit status (round-N.rc), and this prints the summary. Usage: python tests/flaky.py ROUND.xml ...
 
 A test that failed in any round is listed with its count and the distinct first lines of its
 failure messages (the cause to look for). A test counts at most once per round: one that fails in
-its call and errors in its teardown has two JUnit entries. The exit code is 1 if any test failed or
-no test ran at all (a K that selects nothing), else 0.
+its call and errors in its teardown has two JUnit entries. A round is only a measure if pytest ended
+it itself (exit 0 or 1) and its report reads: an interrupted round (exit 2) or an internal error
+(exit 3) writes a partial report in which the unfinished tests look passed or are absent. So are
+listed, and make the exit code 1: a test that failed; a round without a readable report or that
+pytest did not finish; a test absent from some rounds (a collection error there); no test at all
+(a K that selects nothing). Tests skipped in some round are listed too (not measured there).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+FINISHED = {"0", "1"}  # pytest's exit status when it ran every test: all passed, or some failed
 
 
 def node_id(classname: str, name: str) -> str:
@@ -28,38 +34,73 @@ def node_id(classname: str, name: str) -> str:
     return f"{classname}::{name}"
 
 
-def summarise(rounds: list[Path]) -> tuple[Counter[str], dict[str, set[str]], set[str]]:
-    """Per test: in how many rounds it failed or errored, the first lines of why, and every test seen."""
-    failed: Counter[str] = Counter()
-    causes: dict[str, set[str]] = defaultdict(set)
-    seen: set[str] = set()
-    for path in rounds:
-        failed_here: set[str] = set()
-        for case in ET.parse(path).getroot().iter("testcase"):
+@dataclass
+class Summary:
+    """Per test: in how many rounds it failed, skipped and ran, and the first lines of why it failed."""
+
+    failed: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    ran: Counter[str] = field(default_factory=Counter)
+    causes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    broken: list[str] = field(default_factory=list)  # rounds that are no measure, each with why
+    rounds: int = 0  # rounds whose report was read
+
+
+def unfinished(report: Path) -> str:
+    """Why pytest did not finish the round of REPORT, from its exit status beside it; "" if it did."""
+    rc_file = report.with_suffix(".rc")
+    status = rc_file.read_text().strip() if rc_file.is_file() else ""
+    return "" if not status or status in FINISHED else f"pytest exited {status} (interrupted or an internal error)"
+
+
+def summarise(reports: list[Path]) -> Summary:
+    out = Summary()
+    for path in reports:
+        why = unfinished(path)
+        try:
+            cases = list(ET.parse(path).getroot().iter("testcase"))
+        except (OSError, ET.ParseError) as exc:
+            why = why or f"no readable report ({type(exc).__name__})"
+            cases = []
+        if why:
+            out.broken.append(f"{path}: {why}")
+            continue
+        out.rounds += 1
+        failed_here, skipped_here, ran_here = set(), set(), set()
+        for case in cases:
             test = node_id(case.get("classname", ""), case.get("name", ""))
-            seen.add(test)
+            ran_here.add(test)
             problems = [e for e in case if e.tag in ("failure", "error")]
             if problems:
                 failed_here.add(test)
-                causes[test].update(((p.get("message") or p.tag).splitlines() or [p.tag])[0][:200] for p in problems)
-        failed.update(failed_here)
-    return failed, causes, seen
+                out.causes[test].update(
+                    ((p.get("message") or p.tag).splitlines() or [p.tag])[0][:200] for p in problems
+                )
+            elif any(e.tag == "skipped" for e in case):
+                skipped_here.add(test)
+        out.failed.update(failed_here)
+        out.skipped.update(skipped_here - failed_here)
+        out.ran.update(ran_here)
+    return out
 
 
 def main(argv: list[str]) -> int:
-    rounds = [Path(a) for a in argv if Path(a).is_file()]
-    missing = [a for a in argv if not Path(a).is_file()]
-    failed, causes, seen = summarise(rounds)
-    print(f"{len(rounds)} rounds, {len(seen)} tests, {len(failed)} failed in at least one round")
-    if not seen:
+    s = summarise([Path(a) for a in argv])
+    print(f"{s.rounds} rounds measured, {len(s.ran)} tests, {len(s.failed)} failed in at least one round")
+    if not s.ran:
         print("  no test ran: the selection (K, or the serial mark) matched no test")
-    for round_file in missing:
-        print(f"  round without a report (pytest itself failed): {round_file}")
-    for test, count in failed.most_common():
-        print(f"  failed {count} of {len(rounds)}: {test}")
-        for cause in sorted(causes[test]):
+    for why in s.broken:
+        print(f"  round not measured: {why}")
+    absent = sorted(t for t, n in s.ran.items() if n < s.rounds)
+    for test in absent:
+        print(f"  ran in {s.ran[test]} of {s.rounds} rounds only (collection failed in the others?): {test}")
+    for test, count in s.failed.most_common():
+        print(f"  failed {count} of {s.rounds}: {test}")
+        for cause in sorted(s.causes[test]):
             print(f"      {cause}")
-    return 1 if failed or missing or not seen else 0
+    for test, count in sorted(s.skipped.items()):
+        print(f"  skipped in {count} of {s.rounds} (not measured there): {test}")
+    return 1 if s.failed or s.broken or absent or not s.ran else 0
 
 
 if __name__ == "__main__":
