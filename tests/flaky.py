@@ -7,9 +7,10 @@ failure messages (the cause to look for). A test counts at most once per round: 
 its call and errors in its teardown has two JUnit entries. A round is only a measure if pytest ended
 it itself (exit 0 or 1) and its report reads: an interrupted round (exit 2) or an internal error
 (exit 3) writes a partial report in which the unfinished tests look passed or are absent. So are
-listed, and make the exit code 1: a test that failed; a round without a readable report or that
-pytest did not finish; a test absent from some rounds (a collection error there); no test at all
-(a K that selects nothing). Tests skipped in some round are listed too (not measured there).
+listed, and make the exit code 1: a test that failed; a round without a readable report, or that
+pytest did not finish or whose exit status is missing; a test absent from some rounds (a collection
+error there); no test measured at all (a K that selects nothing, or only tests skipped here). Tests
+skipped in some round are listed too (not measured there).
 """
 
 from __future__ import annotations
@@ -46,11 +47,19 @@ class Summary:
     rounds: int = 0  # rounds whose report was read
 
 
+WHY = {"2": "interrupted", "3": "an internal error", "4": "a usage error", "5": "no test collected"}
+
+
 def unfinished(report: Path) -> str:
-    """Why pytest did not finish the round of REPORT, from its exit status beside it; "" if it did."""
+    """Why pytest did not finish the round of REPORT, from its exit status beside it; "" if it did.
+    No status at all counts as unfinished too: a shell killed by the same Ctrl-C writes none."""
     rc_file = report.with_suffix(".rc")
     status = rc_file.read_text().strip() if rc_file.is_file() else ""
-    return "" if not status or status in FINISHED else f"pytest exited {status} (interrupted or an internal error)"
+    if status in FINISHED:
+        return ""
+    return (
+        f"pytest exited {status} ({WHY.get(status, 'killed or failed')})" if status else "no exit status (round-N.rc)"
+    )
 
 
 def summarise(reports: list[Path]) -> Summary:
@@ -87,8 +96,9 @@ def summarise(reports: list[Path]) -> Summary:
 def main(argv: list[str]) -> int:
     s = summarise([Path(a) for a in argv])
     print(f"{s.rounds} rounds measured, {len(s.ran)} tests, {len(s.failed)} failed in at least one round")
-    if not s.ran:
-        print("  no test ran: the selection (K, or the serial mark) matched no test")
+    measured = [t for t, n in s.ran.items() if s.skipped[t] < n]
+    if not measured:
+        print("  no test ran: the selection (K, or the serial mark) matched no test, or every one was skipped")
     for why in s.broken:
         print(f"  round not measured: {why}")
     absent = sorted(t for t, n in s.ran.items() if n < s.rounds)
@@ -100,7 +110,7 @@ def main(argv: list[str]) -> int:
             print(f"      {cause}")
     for test, count in sorted(s.skipped.items()):
         print(f"  skipped in {count} of {s.rounds} (not measured there): {test}")
-    return 1 if s.failed or s.broken or absent or not s.ran else 0
+    return 1 if s.failed or s.broken or absent or not measured else 0
 
 
 if __name__ == "__main__":

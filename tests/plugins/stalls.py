@@ -1,5 +1,6 @@
 """Test plug-ins that stall outside any collective: a data loader that stops returning, an
-evaluation that is slow on rank 1 only, and data that is slow to build (a long set-up)."""
+evaluation that is slow on rank 1 only, data that is slow to build (a long set-up), and data slow
+for a stretch of steps (a wide window for a test to act in)."""
 
 import os
 import re
@@ -55,3 +56,11 @@ def slow_to_build(seconds: float = 5.0, samples: int = 8192):  # type: ignore[no
     before its process group and its stop handlers, whatever the machine's load."""
     time.sleep(seconds)
     return plugins.synthetic(samples=samples)
+
+
+def slow_from(after: int, span: int = 2048, seconds: float = 0.003, samples: int = 8192):  # type: ignore[no-untyped-def]
+    """ddpjob.plugins.synthetic (the same samples, so the same training), whose samples after the
+    first ``after`` a process fetched take ``seconds`` longer each, for ``span`` samples: a test
+    that acts once training passed a step gets seconds to do so, whatever the machine's load,
+    without slowing the steps before."""
+    return Stalling(plugins.synthetic(samples=samples), lambda i, fetched: after < fetched <= after + span, seconds)

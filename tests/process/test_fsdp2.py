@@ -118,7 +118,7 @@ def test_fsdp2_resumed_at_another_world_size_continues_within_tolerance(tmp_path
 
 
 def test_fsdp2_stopped_by_sigterm_during_async_saves_exits_75_and_resumes_bitwise(tmp_path):
-    job = ["launch", "--nproc-per-node", "2", *FSDP2, "--data", "tests.plugins.recording:digits(delay=0.005)"]
+    job = ["launch", "--nproc-per-node", "2", *FSDP2, "--data", "tests.plugins.recording:digits(delay=0.01)"]
     job += ["--epochs", "1", "--max-steps", "20", "--log-every", "1", "--stop-check-every", "1"]
     job += ["--save-mode", "async", "--save-every", "3"]
     samples = {"TEST_SAMPLES_DIR": str(tmp_path)}

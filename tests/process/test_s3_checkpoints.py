@@ -237,9 +237,9 @@ def test_transient_store_failures_are_retried_and_the_run_completes(work, s3, pr
 
 @pytest.mark.parametrize("on_error, code", [("warn", 0), ("fail", 3)])
 def test_a_store_down_past_the_save_timeout_is_a_save_error(work, s3, proxy, on_error, code):
-    flags = [*JOB, "--log-every", "1", "--checkpoint-dir", s3, "--save-every", "4", "--max-steps", "6"]
+    flags = [*JOB, "--log-every", "1", "--checkpoint-dir", s3, "--save-every", "8", "--max-steps", "10"]
     flags += ["--save-timeout", "4", "--on-save-error", on_error, "--device", "cpu"]
-    flags += ["--data", "tests.plugins.recording:digits(delay=0.01)"]
+    flags += ["--data", "tests.plugins.recording:digits(delay=0.02)"]  # 0.6 s a step: 4 s from step 1 to the save
     env = {"AWS_ENDPOINT_URL": proxy.endpoint, "TEST_SAMPLES_DIR": str(work)}
     job = spawn(["train", *flags], work, **env)
     wait_until(lambda: trained_steps(work / "runs/ddpjob") >= 1, 120, "training to start")

@@ -151,7 +151,7 @@ def test_an_iterable_dataset_without_set_rank_is_refused_on_two_processes(tmp_pa
     assert "the IterableDataset Unranked has no set_rank(rank, world_size), so each of the 2 processes" in proc.stderr
 
 
-@pytest.mark.parametrize("data", [f"{DATA}(delay=0.01)", "tests.plugins.recording:digits(delay=0.002)"])
+@pytest.mark.parametrize("data", [f"{DATA}(delay=0.01)", "tests.plugins.recording:digits(delay=0.01)"])
 def test_a_stop_signal_to_the_process_group_leaves_workers_to_their_rank_which_exits_75(tmp_path, data):
     # torchrun signals each rank's process group, DataLoader workers included; a worker killed by it
     # failed its rank (exit 1) before the rank could checkpoint. Map-style data and streams alike.

@@ -24,13 +24,14 @@ B_SKIPPED = f"""{HEAD}<testcase classname="tests.process.test_faults" name="test
 NOTHING_RAN = f"""{HEAD}{TAIL}"""
 
 
-def rounds(tmp_path: Path, *reports: str, statuses: tuple[str, ...] = ()) -> list[str]:
+def rounds(tmp_path: Path, *reports: str | None, statuses: tuple[str, ...] = ()) -> list[str]:
+    """Round reports in TMP_PATH, each with its pytest exit status beside it ("": none written)."""
     paths = []
     for i, report in enumerate(reports, 1):
         path = tmp_path / f"round-{i}.xml"
         if report is not None:
             path.write_text(report)
-        if i <= len(statuses):
+        if statuses[i - 1]:
             path.with_suffix(".rc").write_text(statuses[i - 1] + "\n")
         paths.append(str(path))
     return paths
@@ -58,8 +59,9 @@ def test_rounds_that_all_passed_are_a_clean_bill(tmp_path, capsys):
         (None, "4", "round-2.xml: pytest exited 4"),  # no report at all
         (PASSED[: len(PASSED) // 2], "1", "round-2.xml: no readable report (ParseError)"),  # truncated
         (ONLY_A, "0", f"ran in 1 of 2 rounds only (collection failed in the others?): {B}"),
+        (PASSED, "", "round-2.xml: no exit status"),  # the shell died with pytest before writing it
     ],
-    ids=["interrupted", "internal-error", "no-report", "truncated-report", "test-absent"],
+    ids=["interrupted", "internal-error", "no-report", "truncated-report", "test-absent", "no-status"],
 )
 def test_a_round_that_is_no_measure_is_named_and_fails_the_summary(tmp_path, capsys, second, status, words):
     assert flaky.main(rounds(tmp_path, PASSED, second, statuses=("0", status))) == 1
@@ -74,3 +76,9 @@ def test_a_skipped_test_is_named_as_not_measured_in_that_round(tmp_path, capsys)
 def test_rounds_that_ran_no_test_fail_naming_the_selection(tmp_path, capsys):
     assert flaky.main(rounds(tmp_path, NOTHING_RAN, statuses=("5",))) != 0
     assert "no test ran" in capsys.readouterr().out
+
+
+def test_a_selection_whose_every_test_was_skipped_measured_nothing(tmp_path, capsys):
+    only_skips = B_SKIPPED.replace('<testcase classname="tests.process.test_faults" name="test_a" />', "")
+    assert flaky.main(rounds(tmp_path, only_skips, statuses=("0",))) == 1
+    assert "or every one was skipped" in capsys.readouterr().out

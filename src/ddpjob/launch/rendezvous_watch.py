@@ -9,7 +9,10 @@ from the network can run code.
 The count is a lower bound of node slots, and says so: every node that any read found, not only the
 last read, and never more than the job has. A node's agent that restarted (a new pid) is the same node,
 so nodes are counted per host: the most that one read showed on that host together (several nodes
-may share a host, as on localhost), summed over hosts, at most the job's node count.
+may share a host, as on localhost), summed over hosts, at most the job's node count. What it
+cannot tell: nodes seen at different times count together (one that left at its own timeout and one
+that came later), and an agent restarted within torch's heartbeat expiry (15 s) has its old entry
+beside the new one in the same read, so that host counts one node more from such a read on.
 Each node leaves the state at its own join timeout, and node 0, whose store holds the state, takes
 the store with it: when it joined first it leaves first, and a read between its leaving and its
 store's end sees fewer nodes than joined (a count of only the last read said "1 of 3" where two had
