@@ -5,11 +5,11 @@ pytest's exit status (round-N.rc), and this prints the summary. Usage: python te
 A test that failed in any round is listed with its count and the distinct first lines of its
 failure messages (the cause to look for). A test counts at most once per round: one that fails in
 its call and errors in its teardown has two JUnit entries. A round is only a measure if pytest ended
-it itself (exit 0 or 1) and its report reads: an interrupted round (exit 2) or an internal error
-(exit 3) writes a partial report in which the unfinished tests look passed or are absent. So are
+it itself (exit 0 or 1) and its report reads: an interrupted round (exit 2, also a collection
+error) or an internal error (exit 3) writes a partial report in which the unfinished tests look
+passed or are absent. So are
 listed, and make the exit code 1: a test that failed; a round without a readable report, or that
-pytest did not finish or whose exit status is missing; a test absent from some rounds (a collection
-error there); no test measured at all (a K that selects nothing, or only tests skipped here). Tests
+pytest did not finish or whose exit status is missing; a test absent from some rounds' reports; no test measured at all (a K that selects nothing, or only tests skipped here). Tests
 skipped in some round are listed too (not measured there).
 """
 
@@ -47,7 +47,12 @@ class Summary:
     rounds: int = 0  # rounds whose report was read
 
 
-WHY = {"2": "interrupted", "3": "an internal error", "4": "a usage error", "5": "no test collected"}
+WHY = {
+    "2": "interrupted, or a collection error",
+    "3": "an internal error",
+    "4": "a usage error",
+    "5": "no test collected",
+}
 
 
 def unfinished(report: Path) -> str:
@@ -103,7 +108,7 @@ def main(argv: list[str]) -> int:
         print(f"  round not measured: {why}")
     absent = sorted(t for t, n in s.ran.items() if n < s.rounds)
     for test in absent:
-        print(f"  ran in {s.ran[test]} of {s.rounds} rounds only (collection failed in the others?): {test}")
+        print(f"  ran in {s.ran[test]} of {s.rounds} rounds only (missing from the others' reports): {test}")
     for test, count in s.failed.most_common():
         print(f"  failed {count} of {s.rounds}: {test}")
         for cause in sorted(s.causes[test]):

@@ -1,6 +1,6 @@
 """tests/flaky.py, the summary of `make flaky`: a test counts at most once per round; a round is a
 measure only if pytest finished it and its report reads; a test absent from a round, or a selection
-that ran no test, is a failure (a collection error, a typo in K), not a clean bill."""
+that measured no test, is a failure (a typo in K, skips), not a clean bill."""
 
 from pathlib import Path
 
@@ -58,10 +58,11 @@ def test_rounds_that_all_passed_are_a_clean_bill(tmp_path, capsys):
         (PASSED, "3", "round-2.xml: pytest exited 3"),  # INTERNALERROR
         (None, "4", "round-2.xml: pytest exited 4"),  # no report at all
         (PASSED[: len(PASSED) // 2], "1", "round-2.xml: no readable report (ParseError)"),  # truncated
-        (ONLY_A, "0", f"ran in 1 of 2 rounds only (collection failed in the others?): {B}"),
+        (PASSED, "4", "round-2.xml: pytest exited 4 (a usage error)"),
+        (ONLY_A, "0", f"ran in 1 of 2 rounds only (missing from the others' reports): {B}"),
         (PASSED, "", "round-2.xml: no exit status"),  # the shell died with pytest before writing it
     ],
-    ids=["interrupted", "internal-error", "no-report", "truncated-report", "test-absent", "no-status"],
+    ids=["interrupted", "internal-error", "no-report", "truncated-report", "usage-error", "test-absent", "no-status"],
 )
 def test_a_round_that_is_no_measure_is_named_and_fails_the_summary(tmp_path, capsys, second, status, words):
     assert flaky.main(rounds(tmp_path, PASSED, second, statuses=("0", status))) == 1
@@ -82,3 +83,13 @@ def test_a_selection_whose_every_test_was_skipped_measured_nothing(tmp_path, cap
     only_skips = B_SKIPPED.replace('<testcase classname="tests.process.test_faults" name="test_a" />', "")
     assert flaky.main(rounds(tmp_path, only_skips, statuses=("0",))) == 1
     assert "or every one was skipped" in capsys.readouterr().out
+
+
+def test_a_test_skipped_in_its_call_that_errors_in_teardown_counts_as_failed_not_skipped(tmp_path, capsys):
+    skip_then_error = B_SKIPPED.replace(
+        "</testcase>",
+        '</testcase><testcase classname="tests.process.test_faults" name="test_b"><error message="teardown" /></testcase>',
+    )
+    assert flaky.main(rounds(tmp_path, skip_then_error, statuses=("1",))) == 1
+    out = capsys.readouterr().out
+    assert f"failed 1 of 1: {B}" in out and "skipped in" not in out
