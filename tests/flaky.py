@@ -4,13 +4,15 @@ pytest's exit status (round-N.rc), and this prints the summary. Usage: python te
 
 A test that failed in any round is listed with its count and the distinct first lines of its
 failure messages (the cause to look for). A test counts at most once per round: one that fails in
-its call and errors in its teardown has two JUnit entries. A round is only a measure if pytest ended
-it itself (exit 0 or 1) and its report reads: an interrupted round (exit 2, also a collection
-error) or an internal error (exit 3) writes a partial report in which the unfinished tests look
-passed or are absent. So are
-listed, and make the exit code 1: a test that failed; a round without a readable report, or that
-pytest did not finish or whose exit status is missing; a test absent from some rounds' reports; no test measured at all (a K that selects nothing, or only tests skipped here). Tests
-skipped in some round are listed too (not measured there).
+its call and errors in its teardown has two JUnit entries.
+
+A round is a measure only if pytest ended it itself (exit 0 or 1) and its report reads: an
+interrupted round (exit 2, a collection error too) or an internal error (exit 3) writes a partial
+report in which the unfinished tests look passed or are absent. Listed, and making the exit code 1:
+a test that failed; a round without a readable report, or that pytest did not finish, or whose exit
+status is missing; a test absent from some rounds' reports; no test measured at all (a K that
+selects nothing, or only tests skipped here). Tests skipped in some round are listed too (not
+measured there).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FINISHED = {"0", "1"}  # pytest's exit status when it ran every test: all passed, or some failed
+WHY = {  # any other status: pytest did not run every test
+    "2": "interrupted, or a collection error",
+    "3": "an internal error",
+    "4": "a usage error",
+    "5": "no test collected",
+}
 
 
 def node_id(classname: str, name: str) -> str:
@@ -45,14 +53,6 @@ class Summary:
     causes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     broken: list[str] = field(default_factory=list)  # rounds that are no measure, each with why
     rounds: int = 0  # rounds whose report was read
-
-
-WHY = {
-    "2": "interrupted, or a collection error",
-    "3": "an internal error",
-    "4": "a usage error",
-    "5": "no test collected",
-}
 
 
 def unfinished(report: Path) -> str:

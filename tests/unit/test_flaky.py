@@ -24,7 +24,7 @@ B_SKIPPED = f"""{HEAD}<testcase classname="tests.process.test_faults" name="test
 NOTHING_RAN = f"""{HEAD}{TAIL}"""
 
 
-def rounds(tmp_path: Path, *reports: str | None, statuses: tuple[str, ...] = ()) -> list[str]:
+def rounds(tmp_path: Path, *reports: str | None, statuses: tuple[str, ...]) -> list[str]:
     """Round reports in TMP_PATH, each with its pytest exit status beside it ("": none written)."""
     paths = []
     for i, report in enumerate(reports, 1):
@@ -56,7 +56,7 @@ def test_rounds_that_all_passed_are_a_clean_bill(tmp_path, capsys):
     [
         (PASSED, "2", "round-2.xml: pytest exited 2 (interrupted"),  # a Ctrl-C'd round's partial report
         (PASSED, "3", "round-2.xml: pytest exited 3"),  # INTERNALERROR
-        (None, "4", "round-2.xml: pytest exited 4"),  # no report at all
+        (None, "1", "round-2.xml: no readable report (FileNotFoundError)"),  # no report at all
         (PASSED[: len(PASSED) // 2], "1", "round-2.xml: no readable report (ParseError)"),  # truncated
         (PASSED, "4", "round-2.xml: pytest exited 4 (a usage error)"),
         (ONLY_A, "0", f"ran in 1 of 2 rounds only (missing from the others' reports): {B}"),
