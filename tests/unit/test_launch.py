@@ -270,6 +270,29 @@ def test_a_group_is_stopped_with_a_checkpoint_only_when_every_failed_worker_exit
     assert stopped_with_checkpoint(run_result(*codes)) is stopped
 
 
+def test_bad_input_is_the_reported_failure_when_a_peer_recorded_its_error_first_and_was_then_stopped(tmp_path):
+    """Both ranks find the same bad input; rank 1 records it a second earlier but is still exiting when
+    rank 0's exit 2 makes the agent SIGTERM it. torch's first failure is rank 1's -15 (launch exited
+    143, which a scheduler retries); launch reports the exit 2."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ddpjob.launch.restarts import reported_failure
+
+    def failure(rank: int, code: int, timestamp: int) -> ProcessFailure:
+        error_file = tmp_path / f"{rank}.json"
+        message = {"message": "bad input", "extraInfo": {"py_callstack": "", "timestamp": str(timestamp)}}
+        error_file.write_text(json.dumps({"message": message}))
+        return ProcessFailure(rank, 1000 + rank, code, str(error_file))
+
+    stopped = ChildFailedError("ddpjob", {0: failure(0, 2, 16), 1: failure(1, -15, 15)})
+    assert stopped.get_first_failure()[0] == 1  # torch's own choice: the rank the agent stopped
+    assert reported_failure(stopped)[0] == 0 and reported_failure(stopped)[1].exitcode == 2
+    crashed = ChildFailedError("ddpjob", {0: failure(0, 1, 16), 1: failure(1, -15, 15)})
+    assert reported_failure(crashed)[0] == 1  # no bad input: torch's first failure, as before
+
+
 def test_a_rendezvous_that_keeps_failing_is_free_only_so_many_times_in_a_row(tmp_path):
     """69 is retried without counting; a wrong endpoint, DNS name or blocked port never heals, so
     the failures in a row (nothing trained between) past --rdzv-retries exit 1, which counts."""

@@ -50,7 +50,7 @@ from ddpjob.errors import (
 )
 from ddpjob.launch.plan import Plan
 from ddpjob.launch.rendezvous_watch import RendezvousWatch
-from ddpjob.launch.restarts import no_rendezvous_exit, restart_policy
+from ddpjob.launch.restarts import no_rendezvous_exit, reported_failure, restart_policy
 from ddpjob.plugins import build_data, load_callable, load_function
 from ddpjob.redact import redact
 from ddpjob.tools import doctor
@@ -635,7 +635,7 @@ def run_torchrun(cmd: list[str], plan: Plan, cfg: config.Config, training: bool 
         ):
             torchrun.run(torchrun.parse_args(cmd))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = reported_failure(exc)
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
         line = worker_error(failure.error_file)
         found = stops.recorded(all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()))

@@ -45,6 +45,16 @@ def bad_input(result: Any) -> bool:
     return any(f.exitcode == EXIT_BAD_INPUT for f in failures.values())
 
 
+def reported_failure(exc: Any) -> tuple[int, Any]:
+    """The (global rank, ProcessFailure) a failed launch reports, from torch's ChildFailedError: a
+    worker's own exit 2 where any worker made one, else torch's first failure (the earliest by clock).
+    Every rank finds the same bad input, but one may still be exiting when another's exit 2 makes the
+    agent SIGTERM it; that rank's error was recorded first, so torch's choice read -15 (exit 143, which
+    a scheduler retries) for bad input."""
+    bad = [(rank, failure) for rank, failure in sorted(exc.failures.items()) if failure.exitcode == EXIT_BAD_INPUT]
+    return bad[0] if bad else exc.get_first_failure()
+
+
 @contextlib.contextmanager
 def restart_policy(elastic: bool) -> Iterator[None]:
     """While torchrun's agent runs in this process: a checkpointed stop spends no restart, and bad
