@@ -220,7 +220,7 @@ def test_disk_full_during_save_fails_fast_and_keeps_the_previous_checkpoint(work
     # each rank that gets to say it names the cause; torchrun may stop the others first, once one failed
     assert 1 <= len(lines) <= nproc and not any("Traceback" in ln for ln in worker_lines), proc.stderr[-3000:]
     assert all("cannot write checkpoint" in ln and "No space left on device" in ln for ln in lines), lines
-    assert nproc == 1 or "failed (exitcode: 3)" in proc.stderr
+    assert nproc == 1 or re.search(r"exitcode\s*: 3\b", proc.stderr)  # any row: the first may be a SIGTERM
     saved = catalogue.list_steps(work / "ck-after")
     assert saved and catalogue.latest_valid(work / "ck-after") == saved[0][1]  # the newest one is whole
 

@@ -195,7 +195,9 @@ def test_a_bad_store_is_one_line_and_exit_2_before_the_first_step(work, s3, case
     errors = [ln for ln in lines if "ddpjob: error" in ln]
     # Each rank checks the store and says the same line; the first to exit 2 has torchrun stop the other,
     # which may not have printed yet: one or two lines, never two different ones.
-    assert "exitcode: 2" in proc.stderr and 1 <= len(errors) <= 2, proc.stderr[-3000:]
+    # (torchrun's summary names the earliest error by the clock: a rank that said its line first and was
+    # still exiting when the other's exit 2 stopped it reads -15 there, so the 2 is looked for in every row)
+    assert re.search(r"exitcode\s*: 2\b", proc.stderr) and 1 <= len(errors) <= 2, proc.stderr[-3000:]
     assert len({ln.split("] ", 1)[1] for ln in errors}) == 1, errors
     assert all(w in errors[0].lower() for w in words) and not any("Traceback" in ln for ln in lines), errors
     assert trained_steps(work / "runs/ddpjob") == 0
