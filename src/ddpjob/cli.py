@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -136,7 +137,23 @@ def _launch(argv: Sequence[str]) -> int:
     finally:
         if user_level is None:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
-    return agent.main(argv)
+    return agent.main(argv, ForkedTrain())
+
+
+class ForkedTrain:
+    """What launch's forked workers run (launch/worker_fork.py): ``ddpjob train``, with what every worker
+    imports before its first step preloaded in launch, which itself never imports the loop."""
+
+    @staticmethod
+    def preload() -> None:
+        import torch._dynamo  # noqa: F401 - DDP's constructor imports it: about 1.3 s a worker
+
+        from ddpjob import distenv  # noqa: F401
+        from ddpjob.train import loop, output_prefix  # noqa: F401
+
+    @staticmethod
+    def run(argv: Sequence[str]) -> int:
+        return main(["train", *argv])
 
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
@@ -161,6 +178,8 @@ def usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:  # inherited: the kernel would reap the workers
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # of launch (their exit codes lost) and our own children
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2

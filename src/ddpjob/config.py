@@ -280,6 +280,7 @@ WEIGHTS = Kind(  # must exist when it starts a run; a resume ignores it (checked
 
 
 # ---- scope and resume rules ----------------------------------------------------------------------
+WORKER_STARTS = ("auto", "fork", "exec")  # --worker-start (launch/worker_fork.py)
 WORKER, NODE = "worker", "node"  # read by each `ddpjob train` process; by the node agent `ddpjob launch`
 # What a change does on resume: applies; refused (one line, exit 2); fresh-start only (read only by a
 # fresh start: on resume the checkpoint wins, a change or removal is ignored, a given value warned of);
@@ -587,6 +588,12 @@ class Config:
     )
     shutdown_timeout: int = _node(
         120, "seconds torchrun waits after a stop signal for workers to checkpoint and exit", WHOLE_SECONDS
+    )
+    worker_start: str = _node(
+        "auto",
+        "how launch starts its workers: fork (from launch, which has torch loaded: about half the CPU of a "
+        "start), exec (a new python each), auto (fork where no worker may use CUDA)",
+        choice(*WORKER_STARTS),
     )
 
     def __post_init__(self) -> None:

@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+from ddpjob.launch import worker_fork
+
 
 def _refuse(*args: object, **kwargs: object) -> None:
     raise AssertionError("a unit test started a process: move it to tests/process/")
@@ -17,3 +19,5 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
     monkeypatch.setattr(os, "fork", _refuse)
     monkeypatch.setattr(os, "posix_spawn", _refuse)
+    # launch runs the user's code in a fork where it forks its workers (tests/process/test_worker_fork.py)
+    monkeypatch.setattr(worker_fork, "checked_apart", worker_fork.run_here)

@@ -156,6 +156,7 @@ def test_node_level_settings_are_the_ones_launch_reads():
         "rdzv_retries",
         "max_restarts",
         "shutdown_timeout",
+        "worker_start",
     }
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ddpjob.cli import ForkedTrain
 from ddpjob.errors import UsageError
 from ddpjob.launch import agent
 from ddpjob.launch.rendezvous_watch import Joined, RendezvousWatch, decode_state
@@ -403,7 +404,7 @@ def test_an_elastic_launch_whose_data_factory_fails_warns_that_it_could_not_chec
 def test_launch_dry_run_calls_no_data_factory(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TEST_DATA_CALLS", str(tmp_path / "calls"))
     monkeypatch.chdir(tmp_path)
-    assert agent.main(["--dry-run", *ELASTIC, "--data", "tests.plugins.rank_data:recorded"]) == 0
+    assert agent.main(["--dry-run", *ELASTIC, "--data", "tests.plugins.rank_data:recorded"], ForkedTrain()) == 0
     assert "launch: torchrun" in capsys.readouterr().out
     assert not (tmp_path / "calls").exists()
 

@@ -425,6 +425,17 @@ def resolve_endpoint(folder: ObjectPath) -> None:
 
 
 _STORES: dict[tuple[str, str], FsspecStorage] = {}
+_PARENTS_STORES: list[FsspecStorage] = []  # kept, never used: their finalizers would close the parent's connections
+
+
+def _own_stores_after_fork() -> None:
+    """A forked process (launch's workers and checks) makes its own stores: s3fs refuses an instance
+    made in another process, and its connections are the parent's."""
+    _PARENTS_STORES.extend(_STORES.values())
+    _STORES.clear()
+
+
+os.register_at_fork(after_in_child=_own_stores_after_fork)
 # The environment variables that configure a store beyond its URL: endpoint, region, credentials
 # and profile of S3 (botocore), GCS and Azure.
 STORE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "AZURE_")

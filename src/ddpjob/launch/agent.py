@@ -48,6 +48,7 @@ from ddpjob.errors import (
     UsageError,
     first_line,
 )
+from ddpjob.launch import worker_fork
 from ddpjob.launch.plan import Plan
 from ddpjob.launch.rendezvous_watch import RendezvousWatch
 from ddpjob.launch.restarts import no_rendezvous_exit, reported_failure, restart_policy
@@ -332,7 +333,8 @@ def torchrun_args(
     return [*args, *worker, *train_argv]
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], worker: worker_fork.Worker) -> int:
+    """``worker``: what a forked worker runs (cli.ForkedTrain), where launch forks them (worker_fork.py)."""
     parser = config.make_parser(
         "ddpjob launch",
         "Start this node's training workers with torchrun.",
@@ -342,28 +344,27 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and why, then exit")
     args = parser.parse_args(argv)
     cfg = config.load(args)
-    for spec in (cfg.model, cfg.data):
-        load_callable(spec)  # a bad plug-in fails here, not after rendezvous
-    for spec in (cfg.optimizer, cfg.schedule, cfg.loss):
-        if config.is_spec(spec):
-            load_function(spec)  # imports it and checks its keywords (it is called by the workers)
 
     import torch
 
-    plan = resolve_plan(cfg, os.environ, torch.cuda.device_count(), probe_data=not args.dry_run)
+    forked = worker_fork.forks(cfg.worker_start, cfg.device, torch.cuda.device_count() > 0)
+    # where workers are forks of launch, the user's code runs in forks of its own (worker_fork.py)
+    users_code = worker_fork.checked_apart if forked and not args.dry_run else worker_fork.run_here
+    plan = users_code(checked_plan, cfg, not args.dry_run)
     train_argv = [a for a in argv if a != "--dry-run"]
     cmd = torchrun_args(cfg, plan, train_argv)
     log.info(
         f"launch: scheduler={plan.scheduler} ({plan.why}); node {plan.node_rank}/{plan.nodes}, "
-        f"{plan.nproc_per_node} proc/node, rendezvous {plan.endpoint or 'standalone'}"
+        f"{plan.nproc_per_node} proc/node ({'forked' if forked else 'exec'}), rendezvous {plan.endpoint or 'standalone'}"
     )
     log.info("launch: torchrun " + redact(shlex.join(cmd)))
     if args.dry_run:
         return 0
-    if not doctor.report(doctor.run(cfg, plan, brief=True), brief=True):
+    if not users_code(preflight, cfg, plan):
         raise UsageError("preflight check failed (see the fix above); `ddpjob doctor` shows every check")
     record_attempt(cfg, plan, event="start")
-    code, reason = run_torchrun(cmd, plan, cfg)
+    with worker_fork.forking(worker) if forked else contextlib.nullcontext():
+        code, reason = run_torchrun(cmd, plan, cfg)
     outcome: dict[str, object] = {}
     if code == EXIT_NO_RENDEZVOUS:
         code, more = no_rendezvous_exit(cfg.run_dir, plan.node_rank, socket.gethostname(), cfg.rdzv_retries)
@@ -372,6 +373,23 @@ def main(argv: Sequence[str]) -> int:
     if code:
         log.failure(f"launch: node {node_name(plan)}: {reason}")
     return code
+
+
+def checked_plan(cfg: config.Config, probe_data: bool) -> Plan:
+    """The user's plug-ins imported (a bad one fails here, not after rendezvous) and this node's plan."""
+    import torch
+
+    for spec in (cfg.model, cfg.data):
+        load_callable(spec)
+    for spec in (cfg.optimizer, cfg.schedule, cfg.loss):
+        if config.is_spec(spec):
+            load_function(spec)  # imports it and checks its keywords (it is called by the workers)
+    return resolve_plan(cfg, os.environ, torch.cuda.device_count(), probe_data=probe_data)
+
+
+def preflight(cfg: config.Config, plan: Plan) -> bool:
+    """doctor's brief checks of this node: False (their fixes printed) when one fails."""
+    return doctor.report(doctor.run(cfg, plan, brief=True), brief=True)
 
 
 class AgentSignals:
