@@ -619,3 +619,41 @@ def test_a_stop_signal_while_launch_reads_the_stop_record_in_a_shutdown_is_held_
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert closed == [True]
+
+
+WORKER_STARTS = {  # (--worker-start, --device, a GPU visible) -> forked; None: bad input
+    ("auto", "auto", False): True,
+    ("auto", "auto", True): False,
+    ("auto", "cpu", False): True,
+    ("auto", "cpu", True): True,
+    ("auto", "cuda", False): False,
+    ("auto", "cuda", True): False,
+    ("fork", "auto", False): True,
+    ("fork", "auto", True): None,
+    ("fork", "cpu", False): True,
+    ("fork", "cpu", True): True,
+    ("fork", "cuda", False): None,
+    ("fork", "cuda", True): None,
+    ("exec", "auto", False): False,
+    ("exec", "auto", True): False,
+    ("exec", "cpu", False): False,
+    ("exec", "cpu", True): False,
+    ("exec", "cuda", False): False,
+    ("exec", "cuda", True): False,
+}
+
+
+def test_workers_are_forked_only_where_none_may_use_cuda_for_every_setting_and_device():
+    """A CUDA context does not survive a fork: auto forks CPU workers only, and fork where a worker may
+    use CUDA is bad input. The table must cover every choice the config offers."""
+    from ddpjob import config
+    from ddpjob.launch.worker_fork import SETTINGS, forks
+
+    devices = config.FIELDS["device"].metadata["choices"]
+    assert set(WORKER_STARTS) == {(s, d, c) for s in SETTINGS for d in devices for c in (False, True)}
+    for (setting, device, cuda), forked in WORKER_STARTS.items():
+        if forked is None:
+            with pytest.raises(UsageError, match="does not survive a fork"):
+                forks(setting, device, cuda)
+        else:
+            assert forks(setting, device, cuda) is forked, (setting, device, cuda)

@@ -37,8 +37,10 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, Protocol, TypeVar
 
+from ddpjob.config import WORKER_STARTS
 from ddpjob.errors import UsageError
 
+SETTINGS = WORKER_STARTS  # --worker-start
 WORKER_ARGS = ("-u", "-m", "ddpjob", "train")  # what torchrun puts after sys.executable for `-m ddpjob train`
 READY_TIMEOUT_S = 60.0  # a child that has not started its session by then is killed, and the start fails
 _PR_SET_NAME = 15
@@ -242,7 +244,8 @@ def _unbuffered_streams(old: tuple[Any, ...]) -> None:
     """sys.stdout and sys.stderr as ``python -u`` makes them; launch's logging handlers on the old ones
     move to the new ones, and its file handlers are dropped (the worker does not write launch's logs)."""
     encoding = getattr(old[0], "encoding", None) or "utf-8"
-    out = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding, write_through=True)
+    errors = getattr(old[0], "errors", None) or "strict"  # surrogateescape in the C locale, as python sets it
+    out = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding, errors=errors, write_through=True)
     err = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), encoding=encoding, errors="backslashreplace", write_through=True
     )
@@ -269,10 +272,10 @@ def _run_as_main(main: Callable[[], int], sigint_ignored: bool) -> NoReturn:
     """Run main as the interpreter runs ``__main__``, and exit as it would: SystemExit's code; an
     uncaught error's traceback and 1; death by SIGINT after a KeyboardInterrupt; non-daemon threads
     joined, then atexit."""
-    if not sigint_ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupted = False
     try:
+        if not sigint_ignored:  # inside the try: a Ctrl-C from here on ends it as python's would
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         code = _exit_code(main())
     except SystemExit as exc:
         code = _exit_code(exc.code)
