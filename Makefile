@@ -91,7 +91,7 @@ provision: setup
 
 # Benchmarks: each prints a table of medians; figures and how they were taken: bench/README.md.
 bench: setup
-	cd bench && ../$(BIN)/python loop.py && ../$(BIN)/python lm.py && ../$(BIN)/python startup.py \
+	cd bench && ../$(BIN)/python loop.py && ../$(BIN)/python lm.py && ../$(BIN)/python startup.py && ../$(BIN)/python worker_start.py \
 		&& ../$(BIN)/python save.py && ../$(BIN)/python load.py && ../$(BIN)/python scale.py \
 		&& ../$(BIN)/python peers.py  # one line and skipped without the peers extra (bench/README.md)
 

@@ -83,6 +83,14 @@ def torchrun(
     return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+def launched(
+    args: Sequence[str], cwd: Path, nproc: int = 2, timeout: float = 180, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`ddpjob launch --nproc-per-node N ARGS`: N workers of one node as a user starts them (on CPU
+    forked from launch: launch/worker_fork.py); torchrun() where a test is about plain torchrun."""
+    return ddpjob(["launch", "--nproc-per-node", str(nproc), *args], cwd, timeout=timeout, **env)
+
+
 def ok(proc: subprocess.CompletedProcess[str]) -> str:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
@@ -151,8 +159,18 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def forked_rank(pid: int) -> int | None:
+    """The rank of a worker that launch forked (its name is ddpjob-rRANK: launch/worker_fork.py), else None."""
+    try:
+        comm = (Path("/proc") / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return None
+    return int(comm[len("ddpjob-r") :]) if comm.startswith("ddpjob-r") and comm[len("ddpjob-r") :].isdigit() else None
+
+
 def workers_of(agent_pid: int) -> list[int]:
-    """The `ddpjob train` processes whose parent is the agent (torchrun runs inside launch)."""
+    """The `ddpjob train` processes whose parent is the agent (torchrun runs inside launch): exec'd
+    (`train` in their command line) or forked (named ddpjob-rRANK; their command line is launch's)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -160,15 +178,61 @@ def workers_of(agent_pid: int) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == agent_pid and b"train" in cmdline:
-            pids.append(int(stat.parent.name))
+        pid = int(stat.parent.name)
+        if ppid == agent_pid and (b"train" in cmdline or forked_rank(pid) is not None):
+            pids.append(pid)
     return sorted(pids)
 
 
 def rank_of(pid: int) -> int:
-    """The RANK a worker process was started with."""
+    """The RANK a worker process was started with (a forked one's /proc environ is launch's)."""
+    if (rank := forked_rank(pid)) is not None:
+        return rank
     environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
     return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+
+
+# The sitecustomize of in_every_worker: CODE runs in each worker as it starts, exec'd (python runs
+# sitecustomize with the worker's environment) or forked (launch's sitecustomize ran once, in launch:
+# the worker's entry runs CODE first). Each run leaves a mark, so a test can check that it ran.
+INJECTOR = """
+import os, runpy
+from pathlib import Path
+
+def _inject():
+    Path({marks!r}, str(os.getpid())).write_text(os.environ.get("RANK", ""))
+    runpy.run_path({code!r})
+
+if "LOCAL_RANK" in os.environ:
+    _inject()
+else:
+    try:
+        from ddpjob import cli
+    except ImportError:
+        pass
+    else:
+        _run = cli.ForkedTrain.run
+
+        def _run_injected(argv):
+            _inject()
+            return _run(argv)
+
+        cli.ForkedTrain.run = staticmethod(_run_injected)
+"""
+
+
+def in_every_worker(site: Path, code: str) -> dict[str, str]:
+    """The env (PYTHONPATH) under which CODE runs in every worker of a job as it starts, with the
+    worker's environment (RANK, LOCAL_RANK), whether launch forks its workers or exec's them."""
+    (site / "marks").mkdir(parents=True, exist_ok=True)
+    (site / "injected.py").write_text(code)
+    (site / "sitecustomize.py").write_text(INJECTOR.format(marks=str(site / "marks"), code=str(site / "injected.py")))
+    return {"PYTHONPATH": f"{site}:{PYTHONPATH}"}
+
+
+def injected_ranks(site: Path) -> list[str]:
+    """The RANK of each process in which in_every_worker's code ran."""
+    return sorted(p.read_text() for p in (site / "marks").iterdir())
 
 
 def alive(pid: int) -> bool:

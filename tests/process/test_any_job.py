@@ -9,7 +9,7 @@ import torch
 
 from ddpjob.checkpoint import catalogue
 from ddpjob.train.setup import build
-from helpers import ddpjob, final_checkpoint, final_params, lr_by_step, ok, records, torchrun
+from helpers import ddpjob, final_checkpoint, final_params, launched, lr_by_step, ok, records, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -210,9 +210,9 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run_on_any_job(work, job, w
 
 def test_compile_matches_eager_within_tolerance_and_saves_plain_keys(work):
     args = [*LM, "--grad-accum", "2", "--batch-size", "16", "--max-steps", "6", "--log-every", "1"]
-    ok(torchrun([*args, "--run-dir", "eager"], work))  # 2 ranks: DDP's buckets, no_sync on the first micro-batch
+    ok(launched([*args, "--run-dir", "eager"], work))  # 2 ranks: DDP's buckets, no_sync on the first micro-batch
     cache = work / "inductor-cache"  # proof that --compile compiled: inductor wrote kernels here
-    ok(torchrun([*args, "--run-dir", "compiled", "--compile"], work, timeout=600, TORCHINDUCTOR_CACHE_DIR=str(cache)))
+    ok(launched([*args, "--run-dir", "compiled", "--compile"], work, timeout=600, TORCHINDUCTOR_CACHE_DIR=str(cache)))
     assert any(path.is_file() for path in cache.rglob("*"))
     eager, compiled = final_params(work / "eager"), final_params(work / "compiled")
     assert compiled.keys() == eager.keys()  # no _orig_mod. or module. prefixes
@@ -223,7 +223,7 @@ def test_compile_matches_eager_within_tolerance_and_saves_plain_keys(work):
 
 def test_the_tutorial_runs_with_its_own_sgd_settings(work):
     tutorial = ["--model", "examples.tutorial:model", "--data", "examples.tutorial:data"]
-    out = ok(torchrun([*tutorial, "--optimizer", "sgd", "--lr", "1e-3", "--epochs", "2", "--log-every", "5"], work))
+    out = ok(launched([*tutorial, "--optimizer", "sgd", "--lr", "1e-3", "--epochs", "2", "--log-every", "5"], work))
     assert "done:" in out
     optimizer = final_checkpoint(work / "runs/ddpjob")["optimizer"]  # SGD's settings, no Adam moments
     assert all(g["momentum"] == 0 and "betas" not in g for g in optimizer["param_groups"])

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 
 from ddpjob.checkpoint import catalogue
 from ddpjob.checkpoint.formats import dcp_folder, single_file
-from helpers import PYTHONPATH, assert_bitwise_equal, ddpjob, final_params, ok, records, torchrun
+from helpers import PYTHONPATH, assert_bitwise_equal, ddpjob, final_params, launched, ok, records
 
 pytestmark = pytest.mark.slow
 DCP = ["--log-every", "1000", "--epochs", "3", "--save-every", "0", "--checkpoint-format", "dcp"]
@@ -19,17 +19,17 @@ def params_line(out: str) -> str:
 
 
 def test_dcp_saved_at_world_size_2_loads_at_1_and_4_with_the_same_parameters(work):
-    saved = params_line(ok(torchrun([*DCP, "--max-steps", "20"], work)))
+    saved = params_line(ok(launched([*DCP, "--max-steps", "20"], work)))
     folder = work / "runs/ddpjob/checkpoints/step-20"
     assert folder.is_dir() and dcp_folder.verify(folder) is None
     for world in (1, 4):  # --max-steps 20 again: load and stop, no training step
-        assert params_line(ok(torchrun([*DCP, "--max-steps", "20"], work, nproc=world))) == saved
+        assert params_line(ok(launched([*DCP, "--max-steps", "20"], work, nproc=world))) == saved
 
 
 def test_dcp_resume_is_bitwise_equal_to_an_uninterrupted_run(work):
-    ok(torchrun([*DCP, "--max-steps", "25", "--run-dir", "whole"], work))
-    ok(torchrun([*DCP, "--max-steps", "9", "--run-dir", "split"], work))
-    ok(torchrun([*DCP, "--max-steps", "25", "--run-dir", "split"], work))
+    ok(launched([*DCP, "--max-steps", "25", "--run-dir", "whole"], work))
+    ok(launched([*DCP, "--max-steps", "9", "--run-dir", "split"], work))
+    ok(launched([*DCP, "--max-steps", "25", "--run-dir", "split"], work))
     whole, split = (dcp_folder.read_model(work / d / "checkpoints/step-25") for d in ("whole", "split"))
     assert_bitwise_equal(whole, split)
 
@@ -37,7 +37,7 @@ def test_dcp_resume_is_bitwise_equal_to_an_uninterrupted_run(work):
 def test_dcp_folder_of_another_model_is_one_line_on_every_rank_and_launch_exits_2(work):
     """Every rank says the one line; launch exits 2 even where one rank, still exiting after its line,
     is stopped by the agent (torchrun's own summary may then name that rank's SIGTERM first)."""
-    ok(torchrun([*DCP, "--max-steps", "5"], work))
+    ok(launched([*DCP, "--max-steps", "5"], work))
     other = ["--model", "ddpjob.plugins:digits_mlp(hidden=64)"]
     proc = ddpjob(["launch", "--nproc-per-node", "2", *DCP, "--max-steps", "10", *other], work, timeout=180)
     assert proc.returncode == 2 and "(bad input: not restarted)" in proc.stderr, proc.stderr[-2000:]
@@ -88,7 +88,7 @@ def test_a_transient_storage_error_during_a_dcp_resume_is_retriable_and_the_retr
 
 
 def test_incomplete_dcp_folder_is_skipped(work):
-    ok(torchrun([*DCP, "--max-steps", "10", "--save-every", "5"], work))
+    ok(launched([*DCP, "--max-steps", "10", "--save-every", "5"], work))
     newest = work / "runs/ddpjob/checkpoints/step-10"
     next(newest.glob("*.distcp")).write_bytes(b"")
     assert catalogue.latest_valid(newest.parent) == newest.with_name("step-5")
@@ -107,9 +107,9 @@ def test_file_and_dcp_convert_both_ways_without_change(work):
 def test_async_and_sync_saves_write_identical_loadable_checkpoints(work):
     """Async saves write from a thread beside the heartbeat thread and DataLoader worker processes."""
     args = ["--epochs", "2", "--max-steps", "30", "--save-every", "10", "--log-every", "1000", "--keep", "5"]
-    ok(torchrun([*args, "--save-mode", "sync", "--run-dir", "sync"], work))
+    ok(launched([*args, "--save-mode", "sync", "--run-dir", "sync"], work))
     busy = ["--heartbeat", "0.2", "--num-workers", "2"]
-    ok(torchrun([*args, *busy, "--save-mode", "async", "--run-dir", "async"], work))
+    ok(launched([*args, *busy, "--save-mode", "async", "--run-dir", "async"], work))
     for step in (10, 20, 30):
         sync, async_ = (single_file.read(work / m / f"checkpoints/step-{step}.pt") for m in ("sync", "async"))
         assert_bitwise_equal(sync["model"], async_["model"])
@@ -132,15 +132,15 @@ def dcp_tensors(folder) -> dict[str, torch.Tensor]:
 def test_async_dcp_saves_equal_sync_ones_and_resume_bitwise(work):
     args = [*DCP, "--max-steps", "30", "--save-every", "10", "--keep", "5"]
     for mode in ("sync", "async"):
-        ok(torchrun([*args, "--save-mode", mode, "--run-dir", mode], work))
+        ok(launched([*args, "--save-mode", mode, "--run-dir", mode], work))
     for step in (10, 20, 30):
         sync, async_ = (work / m / f"checkpoints/step-{step}" for m in ("sync", "async"))
         assert dcp_folder.verify(async_) is None and not list((work / "async/checkpoints").glob(".*tmp"))
         tensors = dcp_tensors(sync)
         assert any(".exp_avg" in key for key in tensors) and len(tensors) > 8
         assert_bitwise_equal(tensors, dcp_tensors(async_))
-    ok(torchrun([*DCP, "--max-steps", "15", "--save-every", "10", "--save-mode", "async", "--run-dir", "split"], work))
-    ok(torchrun([*DCP, "--max-steps", "30", "--save-mode", "async", "--run-dir", "split"], work))
+    ok(launched([*DCP, "--max-steps", "15", "--save-every", "10", "--save-mode", "async", "--run-dir", "split"], work))
+    ok(launched([*DCP, "--max-steps", "30", "--save-mode", "async", "--run-dir", "split"], work))
     assert_bitwise_equal(
         dcp_tensors(work / "sync/checkpoints/step-30"), dcp_tensors(work / "split/checkpoints/step-30")
     )

@@ -15,7 +15,17 @@ import torch
 from ddpjob.checkpoint import catalogue
 from ddpjob.checkpoint.formats import dcp_folder, single_file
 from ddpjob.train import rng
-from helpers import ddpjob, lr_by_step, ok, records, samples_by_step, spawn, torchrun, trained_steps, wait_until
+from helpers import (
+    ddpjob,
+    launched,
+    lr_by_step,
+    ok,
+    records,
+    samples_by_step,
+    spawn,
+    trained_steps,
+    wait_until,
+)
 from ports import free_port
 
 # The resume-at-another-world-size tests compare samples, LRs and weights, whatever the timing: they
@@ -51,7 +61,7 @@ def model_state(run_dir: Path) -> dict[str, torch.Tensor]:
 def trained(work: Path, nproc: int, *extra: str) -> str:
     samples = work / "samples"
     samples.mkdir(exist_ok=True)
-    return ok(torchrun([*JOB, *GLOBAL, *extra], work, nproc=nproc, TEST_SAMPLES_DIR=str(samples)))
+    return ok(launched([*JOB, *GLOBAL, *extra], work, nproc=nproc, TEST_SAMPLES_DIR=str(samples)))
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +102,13 @@ def test_a_resume_at_a_new_world_size_seeds_each_rank_from_seed_step_and_rank(tm
     job += ["--save-every", "0"]
     draws = tmp_path / "draws"
     draws.mkdir()
-    ok(torchrun([*job, "--max-steps", "10"], tmp_path, nproc=2, TEST_SAMPLES_DIR=str(draws)))
+    ok(launched([*job, "--max-steps", "10"], tmp_path, nproc=2, TEST_SAMPLES_DIR=str(draws)))
     (draws / "rng-rank0.draws").unlink()
     finals = []
     for copy in ("a", "b"):
         run_dir = tmp_path / copy
         resume = ["--run-dir", str(run_dir), "--resume", str(tmp_path / "runs/ddpjob/checkpoints/step-10.pt")]
-        ok(torchrun([*job, *resume], tmp_path, nproc=1, TEST_SAMPLES_DIR=str(draws)))
+        ok(launched([*job, *resume], tmp_path, nproc=1, TEST_SAMPLES_DIR=str(draws)))
         finals.append(single_file.read(catalogue.list_steps(run_dir / "checkpoints")[0][1])["model"])
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     torch.manual_seed(rng.derived_seed(0, 10, 0))
@@ -108,8 +118,8 @@ def test_a_resume_at_a_new_world_size_seeds_each_rank_from_seed_step_and_rank(tm
 
 def test_without_a_global_batch_size_a_new_world_size_warns_that_the_run_changes(tmp_path):
     job = ["--data", "ddpjob.plugins:digits", "--epochs", "1", "--save-every", "0", "--batch-size", "16"]
-    ok(torchrun([*job, "--max-steps", "10"], tmp_path, nproc=2))
-    out = ok(torchrun(job, tmp_path, nproc=1))
+    ok(launched([*job, "--max-steps", "10"], tmp_path, nproc=2))
+    out = ok(launched(job, tmp_path, nproc=1))
     assert "warning: world size 2 -> 1 at step 10: the global batch changes 32 -> 16" in out
     assert "--global-batch-size" in out
 
@@ -147,7 +157,7 @@ def elastic_reference(tmp_path_factory) -> Path:
 def trained_as(work: Path, job: list[str], nproc: int) -> str:
     samples = work / "samples"
     samples.mkdir(exist_ok=True)
-    return ok(torchrun(job, work, nproc=nproc, timeout=300, TEST_SAMPLES_DIR=str(samples)))
+    return ok(launched(job, work, nproc=nproc, timeout=300, TEST_SAMPLES_DIR=str(samples)))
 
 
 def node(work: Path, port: int, rank: int, *extra: str) -> subprocess.Popen[str]:

@@ -18,10 +18,10 @@ from helpers import (
     assert_bitwise_equal,
     ddpjob,
     final_params,
+    launched,
     ok,
     records,
     spawn,
-    torchrun,
     trained_steps,
     wait_until,
 )
@@ -64,7 +64,7 @@ LM_TEST_RUN = [
 @pytest.mark.slow
 def test_lm_learns_the_held_out_text_beyond_byte_frequencies(work):
     """A short run; the full `make run-lm` reaches the README's figure."""
-    ok(torchrun(LM_TEST_RUN, work, timeout=600))
+    ok(launched(LM_TEST_RUN, work, timeout=600))
     final = finals(work / "runs/ddpjob")
     print(f"\nshort LM run: held-out loss {final['val_loss']:.3f} nats/byte")
     # Byte frequencies alone (the train split's, on the held-out text): 2.92 nats; uniform: ln 256 = 5.55.

@@ -18,10 +18,10 @@ from helpers import (
     clean_env,
     ddpjob,
     final_params,
+    launched,
     ok,
     records,
     spawn,
-    torchrun,
     trained_steps,
     wait_until,
 )
@@ -54,8 +54,8 @@ def record(run_dir, event: str) -> dict:
 def pair(tmp_path_factory):
     """The same job at world size 2 under DDP and under fsdp2, both saving DCP folders."""
     work = tmp_path_factory.mktemp("pair")
-    ok(torchrun([*JOB, *DCP, "--run-dir", "ddp"], work))
-    ok(torchrun([*JOB, *FSDP2, "--run-dir", "fsdp2"], work))
+    ok(launched([*JOB, *DCP, "--run-dir", "ddp"], work))
+    ok(launched([*JOB, *FSDP2, "--run-dir", "fsdp2"], work))
     return work
 
 
@@ -93,7 +93,7 @@ def test_a_checkpoint_of_one_strategy_resumes_under_the_other(pair, tmp_path, fi
     target.mkdir(parents=True)
     shutil.copytree(pair / first / "checkpoints/step-8", target / "step-8")
     strategy = FSDP2 if then == "fsdp2" else DCP
-    out = ok(torchrun([*JOB, *strategy], tmp_path))
+    out = ok(launched([*JOB, *strategy], tmp_path))
     assert record(tmp_path / "runs/ddpjob", "start")["step"] == 8, out[-2000:]
     assert max_difference(model_at(tmp_path / "runs/ddpjob", 16), model_at(pair / first, 16)) <= TOLERANCE
 
@@ -101,8 +101,8 @@ def test_a_checkpoint_of_one_strategy_resumes_under_the_other(pair, tmp_path, fi
 def test_init_from_a_single_file_ddp_checkpoint_starts_fsdp2_as_it_starts_ddp(pair, tmp_path):
     ok(ddpjob(["ckpt", "convert", str(pair / "ddp/checkpoints/step-16"), "start.pt", "--to", "ddpjob"], tmp_path))
     short = ["--epochs", "1", "--max-steps", "4", "--log-every", "1000", "--init-from", "start.pt", *DCP]
-    ok(torchrun([*short, "--run-dir", "ddp"], tmp_path))
-    out = ok(torchrun([*short, "--strategy", "fsdp2", "--run-dir", "fsdp2"], tmp_path))
+    ok(launched([*short, "--run-dir", "ddp"], tmp_path))
+    out = ok(launched([*short, "--strategy", "fsdp2", "--run-dir", "fsdp2"], tmp_path))
     assert record(tmp_path / "fsdp2", "start")["step"] == 0, out[-2000:]
     assert max_difference(model_at(tmp_path / "ddp", 4), model_at(tmp_path / "fsdp2", 4)) <= TOLERANCE
 
@@ -110,9 +110,9 @@ def test_init_from_a_single_file_ddp_checkpoint_starts_fsdp2_as_it_starts_ddp(pa
 def test_fsdp2_resumed_at_another_world_size_continues_within_tolerance(tmp_path):
     job = [*FSDP2, *NO_DROPOUT, "--epochs", "2", "--log-every", "1000", "--save-every", "0"]
     job += ["--batch-size", "16", "--global-batch-size", "64"]  # the same steps at 2 (2 micro-batches) and at 1 (4)
-    ok(torchrun([*job, "--max-steps", "14", "--run-dir", "whole"], tmp_path))
-    ok(torchrun([*job, "--max-steps", "7", "--run-dir", "split"], tmp_path))
-    out = ok(torchrun([*job, "--max-steps", "14", "--run-dir", "split"], tmp_path, nproc=1))
+    ok(launched([*job, "--max-steps", "14", "--run-dir", "whole"], tmp_path))
+    ok(launched([*job, "--max-steps", "7", "--run-dir", "split"], tmp_path))
+    out = ok(launched([*job, "--max-steps", "14", "--run-dir", "split"], tmp_path, nproc=1))
     assert "world size 2 -> 1 at step 7" in out
     assert max_difference(model_at(tmp_path / "whole", 14), model_at(tmp_path / "split", 14)) <= TOLERANCE
 
@@ -149,7 +149,7 @@ def test_a_kill_mid_save_keeps_the_previous_fsdp2_checkpoint(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     assert catalogue.latest_valid(folder) == folder / "step-5"
-    out = ok(torchrun([*job, "--model", "tests.plugins.slow_save:model(seconds=0)"], tmp_path))
+    out = ok(launched([*job, "--model", "tests.plugins.slow_save:model(seconds=0)"], tmp_path))
     assert "removed 1 leftover(s) of killed saves: .step-10.tmp" in out
     assert record(tmp_path / "runs/ddpjob", "start")["step"] == 5 and (folder / "step-20").is_dir()
 
@@ -227,8 +227,8 @@ def test_evaluation_of_unevenly_split_validation_data_matches_ddp(tmp_path):
     """359 validation samples at batch 179: rank 0 has 2 batches, rank 1 one. Every fsdp2 forward
     is a collective, so rank 1 runs a spare batch in step, counted nowhere."""
     job = ["--epochs", "1", "--max-steps", "2", "--batch-size", "179", "--log-every", "1000", *DCP]
-    ok(torchrun([*job, "--run-dir", "ddp"], tmp_path))
-    ok(torchrun([*job, "--strategy", "fsdp2", "--eval-timeout", "60", "--run-dir", "fsdp2"], tmp_path, timeout=240))
+    ok(launched([*job, "--run-dir", "ddp"], tmp_path))
+    ok(launched([*job, "--strategy", "fsdp2", "--eval-timeout", "60", "--run-dir", "fsdp2"], tmp_path, timeout=240))
     ddp, fsdp2 = record(tmp_path / "ddp", "final"), record(tmp_path / "fsdp2", "final")
     assert fsdp2["val_loss"] == pytest.approx(ddp["val_loss"], abs=TOLERANCE) and fsdp2["accuracy"] == ddp["accuracy"]
 
@@ -247,8 +247,8 @@ def test_a_fresh_fsdp2_start_takes_the_factorys_initial_weights_as_ddp_does(tmp_
     """examples.lm initialises GPT-2's way in its __init__, beyond its modules' reset_parameters;
     Hugging Face in its own order: a fresh fsdp2 start has exactly the weights DDP starts from."""
     job = [*model, "--epochs", "1", "--max-steps", "1", "--batch-size", "8", "--log-every", "1", *DCP]
-    ok(torchrun([*job, "--run-dir", "ddp"], tmp_path))
-    ok(torchrun([*job, "--strategy", "fsdp2", "--run-dir", "fsdp2"], tmp_path))
+    ok(launched([*job, "--run-dir", "ddp"], tmp_path))
+    ok(launched([*job, "--strategy", "fsdp2", "--run-dir", "fsdp2"], tmp_path))
     assert first_loss(tmp_path / "fsdp2") == pytest.approx(first_loss(tmp_path / "ddp"), abs=TOLERANCE)
     assert max_difference(model_at(tmp_path / "ddp", 1), model_at(tmp_path / "fsdp2", 1)) <= TOLERANCE
 
@@ -257,10 +257,10 @@ def test_buffers_reset_parameters_leaves_alone_come_from_the_model_as_built(tmp_
     """A mask buffer and a non-persistent gain that no reset_parameters sets: fresh, they are the
     factory's (as under DDP); resumed, the gain outside the checkpoint is still the factory's."""
     job = ["--model", "tests.plugins.masked:model", "--epochs", "1", "--log-every", "1", "--save-every", "2"]
-    ok(torchrun([*job, *DCP, "--max-steps", "4", "--run-dir", "ddp"], tmp_path))
-    ok(torchrun([*job, *FSDP2, "--max-steps", "4", "--run-dir", "whole"], tmp_path))
-    ok(torchrun([*job, *FSDP2, "--max-steps", "2", "--run-dir", "split"], tmp_path))
-    ok(torchrun([*job, *FSDP2, "--max-steps", "4", "--run-dir", "split"], tmp_path))
+    ok(launched([*job, *DCP, "--max-steps", "4", "--run-dir", "ddp"], tmp_path))
+    ok(launched([*job, *FSDP2, "--max-steps", "4", "--run-dir", "whole"], tmp_path))
+    ok(launched([*job, *FSDP2, "--max-steps", "2", "--run-dir", "split"], tmp_path))
+    ok(launched([*job, *FSDP2, "--max-steps", "4", "--run-dir", "split"], tmp_path))
     assert first_loss(tmp_path / "whole") == pytest.approx(first_loss(tmp_path / "ddp"), abs=TOLERANCE)
     assert max_difference(model_at(tmp_path / "ddp", 4), model_at(tmp_path / "whole", 4)) <= TOLERANCE
     assert_bitwise_equal(model_at(tmp_path / "whole", 4), model_at(tmp_path / "split", 4))
@@ -270,8 +270,8 @@ def test_an_empty_validation_share_at_world_3_evaluates_in_step(tmp_path):
     """The validation stream is 2 files: at world 3 rank 2 has none, yet joins every forward."""
     write_shards(tmp_path / "shards", [40, 40, 40, 40])
     job = ["--data", "tests.plugins.shards:sharded(val_stream=True)", "--epochs", "1", "--max-steps", "2", *DCP]
-    ok(torchrun([*job, "--run-dir", "ddp"], tmp_path, nproc=3))
-    out = ok(torchrun([*job, "--strategy", "fsdp2", "--run-dir", "fsdp2"], tmp_path, nproc=3, timeout=240))
+    ok(launched([*job, "--run-dir", "ddp"], tmp_path, nproc=3))
+    out = ok(launched([*job, "--strategy", "fsdp2", "--run-dir", "fsdp2"], tmp_path, nproc=3, timeout=240))
     assert "Traceback" not in out
     ddp, fsdp2 = record(tmp_path / "ddp", "final"), record(tmp_path / "fsdp2", "final")
     assert fsdp2["val_loss"] == pytest.approx(ddp["val_loss"], abs=TOLERANCE) and fsdp2["accuracy"] == ddp["accuracy"]
@@ -289,13 +289,13 @@ def test_accumulated_micro_batches_reduce_scatter_once_per_optimizer_step(tmp_pa
     counts = {}
     for accum in (1, 2):
         (tmp_path / str(accum)).mkdir()
-        ok(torchrun([*job, "--grad-accum", str(accum), "--run-dir", "run"], tmp_path / str(accum)))
+        ok(launched([*job, "--grad-accum", str(accum), "--run-dir", "run"], tmp_path / str(accum)))
         counts[accum] = [int((tmp_path / str(accum) / f"reduce-scatters-{r}").read_text()) for r in (0, 1)]
     assert counts[1][0] > 0 and counts[2] == counts[1], counts
 
 
 def test_fsdp2_with_weight_decay_trains_as_ddp_does(tmp_path):
     job = ["--epochs", "1", "--max-steps", "4", "--save-every", "4", "--grad-accum", "2", "--weight-decay", "0.1"]
-    ok(torchrun([*job, *DCP, "--run-dir", "ddp"], tmp_path))
-    ok(torchrun([*job, *FSDP2, "--run-dir", "fsdp2"], tmp_path))
+    ok(launched([*job, *DCP, "--run-dir", "ddp"], tmp_path))
+    ok(launched([*job, *FSDP2, "--run-dir", "fsdp2"], tmp_path))
     assert max_difference(model_at(tmp_path / "ddp", 4), model_at(tmp_path / "fsdp2", 4)) <= TOLERANCE

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from ddpjob.checkpoint.formats import hf_safetensors, single_file
 from ddpjob.train import setup
-from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, ok, torchrun, wait_until
+from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, launched, ok, wait_until
 from ports import free_port
 
 SHORT = ["--epochs", "1", "--log-every", "1000"]
@@ -43,7 +43,7 @@ def test_sharded_set_initialises_two_ranks_with_the_source_weights_by_mmap_and_b
     assert "format:     sharded safetensors (3 shards, model.safetensors.index.json)" in inspected
     assert "weights:    6 tensors, 26,122 values" in inspected
     for mode, path in (("mmap", "hf"), ("rank0", "hf/model.safetensors.index.json")):
-        out = ok(torchrun([*UNMOVED, "--init-from", path, "--load-mode", mode, "--run-dir", mode], work))
+        out = ok(launched([*UNMOVED, "--init-from", path, "--load-mode", mode, "--run-dir", mode], work))
         assert "DDP start-up broadcast skipped" in out
         assert_bitwise_equal(final_params(work / mode), source)
 

@@ -15,7 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHONPATH, alive, ddpjob, ok, records, spawn, trained_steps, wait_until, workers_of
+from helpers import (
+    alive,
+    ddpjob,
+    in_every_worker,
+    injected_ranks,
+    ok,
+    records,
+    spawn,
+    trained_steps,
+    wait_until,
+    workers_of,
+)
 from ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -123,11 +134,10 @@ if "LOCAL_RANK" in os.environ:  # the workers, not launch
 
 def test_a_stop_signal_after_the_checkpoint_does_not_kill_the_worker(work, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
-    (site / "sitecustomize.py").write_text(LATE_SIGNAL)
-    agent, workers = start(work, "--epochs", "3", "--stop-check-every", "5", PYTHONPATH=f"{site}:{PYTHONPATH}")
+    agent, workers = start(work, "--epochs", "3", "--stop-check-every", "5", **in_every_worker(site, LATE_SIGNAL))
     signal_step([agent.pid, *workers], signal.SIGTERM)
     out = agent.communicate(timeout=180)[0]
-    assert agent.returncode == 75, out[-3000:]
+    assert agent.returncode == 75 and injected_ranks(site) == ["0", "1"], out[-3000:]
     assert out.count("[ddpjob] saved ") == 1 and not [pid for pid in workers if alive(pid)]
 
 
@@ -146,13 +156,11 @@ if os.environ.get("RANK") == "1":  # one worker, not launch
 
 def test_a_worker_killed_after_the_stop_checkpoint_was_sealed_leaves_exit_75(work, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
-    (site / "sitecustomize.py").write_text(SLOW_EXIT)
-    agent, workers = start(
-        work, "--epochs", "3", "--stop-check-every", "5", "--shutdown-timeout", "3", PYTHONPATH=f"{site}:{PYTHONPATH}"
-    )
+    env = in_every_worker(site, SLOW_EXIT)
+    agent, workers = start(work, "--epochs", "3", "--stop-check-every", "5", "--shutdown-timeout", "3", **env)
     agent.send_signal(signal.SIGTERM)
     out = agent.communicate(timeout=180)[0]
-    assert agent.returncode == 75, out[-3000:]
+    assert agent.returncode == 75 and injected_ranks(site) == ["0", "1"], out[-3000:]
     last = out.strip().splitlines()[-1]  # rank 1 killed (137); rank 0's exit may wait on it and be killed too
     assert re.search(r"is verified \(exit 75\); exit codes by local rank: (75|137), 137$", last), out[-3000:]
     assert not [pid for pid in workers if alive(pid)]
@@ -185,10 +193,9 @@ def test_a_node_whose_store_host_left_first_after_a_stop_exits_75_though_node_0_
     record of the stop that node 1 has yet to read. Forced: node 1's worker is held after the stop's
     checkpoint until the replacement's store listens."""
     site = tmp_path_factory.mktemp("site")
-    (site / "sitecustomize.py").write_text(HELD_EXIT_ON_THIS_NODE)
+    env = in_every_worker(site, HELD_EXIT_ON_THIS_NODE)
     release = site / "release"
     port, replacement_port = free_ports(2)
-    env = {"PYTHONPATH": f"{site}:{PYTHONPATH}"}
     flags = ["--nnodes", "2", *JOB, "--nproc-per-node", "1"]
     flags += ["--epochs", "3", "--stop-check-every", "5", "--shutdown-timeout", "60"]
     at = ["--rdzv-endpoint", f"127.0.0.1:{port}"]

@@ -13,7 +13,7 @@ from torch import nn
 
 from ddpjob.checkpoint.formats import single_file
 from ddpjob.tools import plot
-from helpers import FAST, PY, clean_env, ddpjob, ok, torchrun
+from helpers import FAST, PY, clean_env, ddpjob, launched, ok
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs a private mount or network namespace (root)")
 
@@ -102,7 +102,7 @@ def test_doctor_fails_on_a_tiny_dev_shm_when_workers_need_it(work):
 
 @pytest.mark.slow
 def test_every_worker_line_names_its_node_and_rank_and_heartbeats_show_progress(work):
-    out = ok(torchrun([*FAST, "--heartbeat", "0.05", "--log-every", "5"], work)).splitlines()
+    out = ok(launched([*FAST, "--heartbeat", "0.05", "--log-every", "5"], work)).splitlines()
     ours = [ln for ln in out if "[ddpjob]" in ln]
     assert ours and all(ln.startswith(("[node 0 rank 0] ", "[node 0 rank 1] ")) for ln in ours)
     assert any(ln.startswith("[node 0 rank 1] [ddpjob] heartbeat: step") for ln in ours)
@@ -111,8 +111,8 @@ def test_every_worker_line_names_its_node_and_rank_and_heartbeats_show_progress(
 
 @pytest.mark.slow
 def test_plot_of_a_two_process_run_with_a_resume(work):
-    ok(torchrun(["--epochs", "3", "--max-steps", "30", "--log-every", "5"], work))
-    ok(torchrun(["--epochs", "3", "--log-every", "5"], work))
+    ok(launched(["--epochs", "3", "--max-steps", "30", "--log-every", "5"], work))
+    ok(launched(["--epochs", "3", "--log-every", "5"], work))
     run_dir = work / "runs/ddpjob"
     records = plot.read_metrics(run_dir / "metrics.jsonl")
     panels = plot.series(records)
@@ -177,7 +177,7 @@ def test_ckpt_convert_strips_and_adds_the_prefix_and_exports(work, saved_from_wr
 def test_tensorboard_gets_the_same_scalars_as_the_metrics_file(work):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ok(torchrun([*FAST, "--log-every", "5", "--tensorboard", "tb"], work))
+    ok(launched([*FAST, "--log-every", "5", "--tensorboard", "tb"], work))
     events = EventAccumulator(str(work / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])

@@ -13,7 +13,7 @@ import pytest
 from ddpjob import config
 from ddpjob.checkpoint import catalogue
 from ddpjob.checkpoint.formats import single_file
-from helpers import assert_bitwise_equal, ddpjob, ok, records
+from helpers import assert_bitwise_equal, ddpjob, launched, ok, records
 
 ANYJOB = "tests.plugins.anyjob"  # children import from the repo root
 BASE = [
@@ -147,6 +147,7 @@ NODE_VALUES = {
     "max_restarts": "2",
     "shutdown_timeout": "7",
     "rdzv_retries": "5",
+    "worker_start": "exec",
 }
 
 
@@ -266,7 +267,7 @@ def test_a_refused_change_on_a_dcp_resume_at_world_2_is_one_line_and_exit_2(tmp_
     from helpers import torchrun
 
     dcp = [*BASE, "--checkpoint-format", "dcp"][1:]  # torchrun() adds `train`
-    ok(torchrun(dcp, tmp_path))
+    ok(launched(dcp, tmp_path))
     proc = torchrun([*dcp, "--max-steps", "4", "--seed", "1"], tmp_path)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "ddpjob: error:" in line]

@@ -24,6 +24,7 @@ from helpers import (
     PYTHONPATH,
     assert_bitwise_equal,
     ddpjob,
+    launched,
     ok,
     records,
     spawn,
@@ -66,9 +67,9 @@ def no_secret(*outputs: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_run_resumed_from_s3_is_bitwise_equal_to_an_uninterrupted_local_one(work, s3, fmt):
     flags = [*JOB, *FORMATS[fmt], "--save-every", "4", "--keep", "2"]
-    ok(torchrun([*flags, "--max-steps", "14", "--run-dir", "whole"], work))
-    first = ok(torchrun([*flags, "--max-steps", "9", "--checkpoint-dir", s3, "--run-dir", "split"], work))
-    second = ok(torchrun([*flags, "--max-steps", "14", "--checkpoint-dir", s3, "--run-dir", "split"], work))
+    ok(launched([*flags, "--max-steps", "14", "--run-dir", "whole"], work))
+    first = ok(launched([*flags, "--max-steps", "9", "--checkpoint-dir", s3, "--run-dir", "split"], work))
+    second = ok(launched([*flags, "--max-steps", "14", "--checkpoint-dir", s3, "--run-dir", "split"], work))
     no_secret(first, second)
     assert steps_in(s3) == [12, 14]  # --keep 2 pruned the run's older steps in the bucket
     name = "step-14" + ("" if "dcp" in fmt else ".pt")
@@ -78,11 +79,11 @@ def test_a_run_resumed_from_s3_is_bitwise_equal_to_an_uninterrupted_local_one(wo
 
 def test_a_dcp_checkpoint_in_s3_resumes_at_another_world_size(work, s3):
     flags = [*JOB, "--checkpoint-format", "dcp", "--checkpoint-dir", s3, "--save-every", "0"]
-    saved = re.search(r"params (\w+)", ok(torchrun([*flags, "--max-steps", "10"], work))).group(1)
+    saved = re.search(r"params (\w+)", ok(launched([*flags, "--max-steps", "10"], work))).group(1)
     for world in (1, 3):  # load and stop: the same parameters at each size
-        out = ok(torchrun([*flags, "--max-steps", "10"], work, nproc=world))
+        out = ok(launched([*flags, "--max-steps", "10"], work, nproc=world))
         assert re.search(r"params (\w+)", out).group(1) == saved
-    out = ok(torchrun([*flags, "--max-steps", "14"], work, nproc=3))  # and train on
+    out = ok(launched([*flags, "--max-steps", "14"], work, nproc=3))  # and train on
     assert "done: step 14" in out and steps_in(s3) == [10, 14]
 
 

@@ -22,6 +22,7 @@ from helpers import (
     clean_env,
     ddpjob,
     final_params,
+    launched,
     ok,
     plain_env_ranks,
     records,
@@ -175,7 +176,7 @@ def test_init_from_a_dcp_folder_under_ddp_and_dp_equals_init_from_its_file_form(
     folder = work / "src/checkpoints/step-10"
     ok(ddpjob(["ckpt", "convert", str(folder), str(work / "w.pt")], work))
     for name, source in (("from-dcp", folder), ("from-file", work / "w.pt")):
-        ok(torchrun([*SHORT, "--max-steps", "10", "--init-from", str(source), "--run-dir", name], work))
+        ok(launched([*SHORT, "--max-steps", "10", "--init-from", str(source), "--run-dir", name], work))
     assert_bitwise_equal(final_params(work / "from-dcp"), final_params(work / "from-file"))
     for name, source in (("dp-dcp", folder), ("dp-file", work / "w.pt")):  # nn.DataParallel's module. keys
         ok(

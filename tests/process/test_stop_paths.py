@@ -31,8 +31,20 @@ from pathlib import Path
 import pytest
 
 from ddpjob.checkpoint import catalogue
+from ddpjob.launch import worker_fork
 from ddpjob.train.stop_signal import STOP_SIGNALS
-from helpers import PYTHONPATH, alive, rank_of, records, spawn, trained_steps, wait_until, workers_of
+from helpers import (
+    PYTHONPATH,
+    alive,
+    in_every_worker,
+    injected_ranks,
+    rank_of,
+    records,
+    spawn,
+    trained_steps,
+    wait_until,
+    workers_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +52,7 @@ SIGNALS = [*(s.name for s in STOP_SIGNALS), "SIGTERM twice"]
 PLACES = ["launch", "one worker"]
 SAVES = ["ok", "full disk, warn", "full disk, fail", "slower than --save-timeout"]
 FORMATS = ["file", "dcp"]
+STARTS = list(worker_fork.SETTINGS[1:])  # fork, exec: how launch starts its workers (auto is fork here)
 
 
 def pairwise(*columns: Sequence[str]) -> list[tuple[str, ...]]:
@@ -64,19 +77,21 @@ def pairwise(*columns: Sequence[str]) -> list[tuple[str, ...]]:
     return sorted(rows, key=lambda row: [list(c).index(v) for c, v in zip(columns, row, strict=True)])
 
 
-TABLE = pairwise(SIGNALS, PLACES, SAVES, FORMATS)
+TABLE = pairwise(SIGNALS, PLACES, SAVES, FORMATS, STARTS)
 
 
 def test_the_table_holds_every_pair_of_values_of_any_two_columns():
-    columns = (SIGNALS, PLACES, SAVES, FORMATS)
+    columns = (SIGNALS, PLACES, SAVES, FORMATS, STARTS)
     for i, j in itertools.combinations(range(len(columns)), 2):
         assert {(row[i], row[j]) for row in TABLE} == set(itertools.product(columns[i], columns[j]))
     assert len(TABLE) == len(SIGNALS) * len(SAVES)  # the least a pairwise cover can be: 24 with five signals
 
 
-def job(save: str, fmt: str) -> list[str]:
+def job(save: str, fmt: str, start: str = "auto") -> list[str]:
     slow = races_a_deadline(save)
     return [
+        "--worker-start",
+        start,
         "--nproc-per-node",
         "2",
         "--model",
@@ -146,19 +161,20 @@ def races_a_deadline(save: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("sig", "place", "save", "fmt"),
+    ("sig", "place", "save", "fmt", "start"),
     [pytest.param(*row, marks=[pytest.mark.serial] if races_a_deadline(row[2]) else []) for row in TABLE],
     ids=[" / ".join(row) for row in TABLE],
 )
-def test_exit_75_if_and_only_if_the_stop_step_has_a_verified_checkpoint(work, sig, place, save, fmt):
+def test_exit_75_if_and_only_if_the_stop_step_has_a_verified_checkpoint(work, sig, place, save, fmt, start):
     if save.startswith("full disk") and os.geteuid() != 0:
         pytest.skip("mounts a tmpfs (root)")
     run_dir = work / "runs/ddpjob"
     ckpt = run_dir / "checkpoints"
-    agent = spawn(["launch", *job(save, fmt)], work)
+    agent = spawn(["launch", *job(save, fmt, start)], work)
     try:
         wait_until(lambda: trained_steps(run_dir) >= 10, 180, "training to start")
         workers = workers_of(agent.pid)
+        assert len(workers) == 2, workers
         target = agent.pid if place == "launch" else next(pid for pid in workers if rank_of(pid) == 1)
         with full_disk(ckpt) if save.startswith("full disk") else contextlib.nullcontext():
             send(target, sig)
@@ -193,29 +209,43 @@ import os
 if "LOCAL_RANK" not in os.environ:
     import signal, subprocess
     from pathlib import Path
+    from ddpjob.launch import worker_fork
 
-    popen_init, started = subprocess.Popen.__init__, []
+    popen_init, fork_start, started = subprocess.Popen.__init__, worker_fork.start, []
 
-    def start_then_signal(self, *args, **kwargs):
+    def then_signal(pid):
+        started.append(pid)
+        if len(started) == 2:
+            Path(os.environ["WORKERS_FILE"]).write_text(" ".join(map(str, started)))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def exec_then_signal(self, *args, **kwargs):
         popen_init(self, *args, **kwargs)
         argv = args[0] if args else kwargs.get("args", ())
         if "train" in [str(a) for a in argv]:  # a worker
-            started.append(self.pid)
-            if len(started) == 2:
-                Path(os.environ["WORKERS_FILE"]).write_text(" ".join(map(str, started)))
-                os.kill(os.getpid(), signal.SIGTERM)
+            then_signal(self.pid)
 
-    subprocess.Popen.__init__ = start_then_signal
+    def fork_then_signal(*args, **kwargs):
+        worker = fork_start(*args, **kwargs)
+        then_signal(worker.pid)
+        return worker
+
+    subprocess.Popen.__init__ = exec_then_signal
+    worker_fork.start = fork_then_signal
 """
 
 
-def test_a_stop_signal_while_the_agent_starts_the_workers_stops_them_before_launchs_last_line(work, tmp_path_factory):
+@pytest.mark.parametrize("start", STARTS)
+def test_a_stop_signal_while_the_agent_starts_the_workers_stops_them_before_launchs_last_line(
+    work, tmp_path_factory, start
+):
     """A signal that lands inside the agent's start of its workers is held until the agent has
     recorded them, so its shutdown stops them: none outlives launch or prints after its last line."""
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(SIGNAL_IN_THE_START)
     pids = site / "workers"
-    agent = spawn(["launch", *job("ok", "file")], work, PYTHONPATH=f"{site}:{PYTHONPATH}", WORKERS_FILE=str(pids))
+    env = {"PYTHONPATH": f"{site}:{PYTHONPATH}", "WORKERS_FILE": str(pids)}
+    agent = spawn(["launch", *job("ok", "file", start)], work, **env)
     out = agent.communicate(timeout=180)[0]  # until every process holding its output has exited
     workers = [int(pid) for pid in pids.read_text().split()]
     assert agent.returncode != 75 and not [pid for pid in workers if alive(pid)], out[-3000:]
@@ -244,10 +274,11 @@ if os.environ.get("RANK") == "0":  # a worker, not launch
 @pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
 def test_a_stop_signal_after_training_finished_keeps_exit_0(work, tmp_path_factory, sig):
     site = tmp_path_factory.mktemp("site")
-    (site / "sitecustomize.py").write_text(LATE_SIGNAL.format(name=sig.name))
+    env = in_every_worker(site, LATE_SIGNAL.format(name=sig.name))
     run_dir = work / "runs/ddpjob"
-    agent = spawn(["launch", *job("ok", "file"), "--max-steps", "5"], work, PYTHONPATH=f"{site}:{PYTHONPATH}")
+    agent = spawn(["launch", *job("ok", "file"), "--max-steps", "5"], work, **env)
     out = agent.communicate(timeout=180)[0]
+    assert injected_ranks(site) == ["0", "1"], out[-3000:]
     assert agent.returncode == 0, out[-3000:]
     assert attempts(run_dir)[-1]["exit_code"] == 0 and "done: step 5" in out
 
@@ -280,11 +311,8 @@ SLOW_SAVES = {  # a stop's save on rank 0 that ends sealed: (slow_save seconds, 
 @pytest.mark.parametrize("save", SLOW_SAVES)
 def test_a_stop_save_that_rank_0_seals_late_exits_75(work, tmp_path_factory, save):
     seconds, flags, site = SLOW_SAVES[save]
-    env = {}
-    if site:
-        folder = tmp_path_factory.mktemp("site")
-        (folder / "sitecustomize.py").write_text(site)
-        env["PYTHONPATH"] = f"{folder}:{PYTHONPATH}"
+    folder = tmp_path_factory.mktemp("site")
+    env = in_every_worker(folder, site) if site else {}
     args = [*job("ok", "file"), "--save-timeout", "3", *flags]
     args[args.index("--model") + 1] = f"tests.plugins.slow_save:model(seconds={seconds},width=256)"
     run_dir = work / "runs/ddpjob"
@@ -297,6 +325,7 @@ def test_a_stop_save_that_rank_0_seals_late_exits_75(work, tmp_path_factory, sav
         assert not [pid for pid in workers if alive(pid)], "workers outlived launch"
         assert_invariant(agent.returncode, out, run_dir, verified_steps(run_dir / "checkpoints"))
         assert agent.returncode == 75, out[-3000:]  # the checkpoint was sealed: nothing is lost
+        assert not site or injected_ranks(folder) == ["0", "1"]
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -343,7 +372,7 @@ if "launch" in sys.argv:
 
     dynamic_rendezvous.DynamicRendezvousHandler._keep_alive = held_keep_alive
     run.run = run_then_release
-    atexit.register(time.sleep, 3)
+    atexit.register(lambda: "launch" in sys.argv and time.sleep(3))  # launch's exit, not a forked worker's
 """
 
 
@@ -355,7 +384,8 @@ def test_a_stop_while_a_rendezvous_heartbeat_runs_ends_launch_with_its_own_last_
     (site / "sitecustomize.py").write_text(HELD_HEARTBEAT)
     held = site / "held"
     run_dir = work / "runs/ddpjob"
-    agent = spawn(["launch", *job("ok", "file")], work, PYTHONPATH=f"{site}:{PYTHONPATH}", HEARTBEAT_HELD=str(held))
+    args = [*job("ok", "file"), "--epochs", "100"]  # still training at the first heartbeat, however fast it starts
+    agent = spawn(["launch", *args], work, PYTHONPATH=f"{site}:{PYTHONPATH}", HEARTBEAT_HELD=str(held))
     try:
         wait_until(lambda: held.exists() and trained_steps(run_dir) >= 10, 180, "a heartbeat during training")
         agent.send_signal(signal.SIGINT)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ddpjob.train.trackers import QUEUE_SIZE, Tracker, is_local_store
-from helpers import PY, PYTHONPATH, clean_env, ddpjob, ok, records, spawn, torchrun, trained_steps, wait_until
+from helpers import PY, PYTHONPATH, clean_env, ddpjob, launched, ok, records, spawn, trained_steps, wait_until
 from ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -326,9 +326,9 @@ def test_a_dcp_checkpoint_of_two_ranks_names_the_run_without_tracker_json(work):
 
     args = ["--log-every", "4", "--save-every", "4", "--checkpoint-format", "dcp", "--tracker", "mlflow"]
     args += ["--model", "ddpjob.plugins:digits_mlp(hidden=64)"]  # with this model's sizes DCP keeps rank 1's
-    ok(torchrun([*args, "--max-steps", "8"], work))
+    ok(launched([*args, "--max-steps", "8"], work))
     (work / "runs/ddpjob/tracker.json").unlink()
-    ok(torchrun([*args, "--max-steps", "16"], work))
+    ok(launched([*args, "--max-steps", "16"], work))
     assert [r["step"] for r in records(work / "runs/ddpjob") if r["event"] == "start"] == [0, 8]
     client, (run,) = default_store_runs(work / "runs/ddpjob")  # one run, not two
     assert client.get_metric_history(run.info.run_id, "train/loss")[-1].step == 16

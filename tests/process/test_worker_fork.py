@@ -78,6 +78,7 @@ def test_launchs_checks_run_apart_and_only_their_answer_comes_back(work):
     got = json.loads((work / "checks.json").read_text())
     assert got["value"]["value"] == "{'plan': 42}"
     assert (got["ddpjob error"]["error"], got["ddpjob error"]["message"]) == ("UsageError", "--data is bad")
+    assert (got["exit 2"]["error"], got["exit 2"]["message"]) == ("SystemExit", "2")  # exits 2, as it did
     users = got["user's error"]
     assert users["error"] == "RuntimeError" and users["message"] == "UsersError: the user's data is missing"
     assert "_raise_users_error" in users["notes"][0]  # the check's traceback
