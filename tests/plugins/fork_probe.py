@@ -159,6 +159,7 @@ EXIT_ROWS = {  # what the worker's code does: both ways must end the same
         "import atexit, threading, time; atexit.register(print, 'atexit', flush=True); "
         "threading.Thread(target=lambda: (time.sleep(0.3), print('thread', flush=True))).start()"
     ),
+    "C's stdout": "import ctypes; ctypes.CDLL(None).printf(b'from C\\n'); print('from python')",
     "daemonic child": (
         "import multiprocessing as mp, time; p = mp.get_context('fork').Process(target=time.sleep, args=(60,), "
         "daemon=True); p.start(); open(__import__('os').environ['CHILD_PID'], 'w').write(str(p.pid))"
@@ -214,7 +215,9 @@ def _raise_users_error() -> None:
 
 
 def _leave_a_process() -> int:
-    subprocess.Popen(["sleep", "30"], close_fds=False)  # holds the answer's pipe open
+    if os.fork() == 0:  # a process of the check's own that outlives it, holding the answer's pipe open
+        time.sleep(30)
+        os._exit(0)
     return 7
 
 
@@ -242,8 +245,13 @@ def run_checks(out: Path) -> None:
         return "colorsys" in sys.modules
 
     storage.fsspec_storage("memory://bucket")
+
+    def exits_2() -> None:
+        raise SystemExit(2)  # a plug-in's own argparse, as it is imported
+
     results = {
         "value": check("value", lambda: {"plan": 42}),
+        "exit 2": check("exit 2", exits_2),
         "ddpjob error": check("ddpjob error", raise_usage),
         "user's error": check("user's error", _raise_users_error),
         "unpicklable value": check("unpicklable value", lambda: lambda: 0),

@@ -18,9 +18,11 @@ from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, o
 
 
 def probe(mode: str, out: Path, timeout: float = 240) -> None:
-    """The launch-like process in MODE; its own env has no OMP_NUM_THREADS (torch's default count)."""
+    """The launch-like process in MODE, started as a user starts launch: no OMP_NUM_THREADS (torch's
+    default count), and buffered (the worker must be unbuffered as `python -u` is, C's stdio too)."""
     env = clean_env()
     env.pop("OMP_NUM_THREADS")
+    env.pop("PYTHONUNBUFFERED", None)
     proc = subprocess.run(
         [PY, "-m", "tests.plugins.fork_probe", mode, str(out)],
         cwd=out,

@@ -168,20 +168,34 @@ def start(worker: Worker, argv: list[str], env: dict[str, str], stdout: Any, std
 def _fork(child: Callable[[Any], NoReturn]) -> int:
     """os.fork with every signal blocked across it, so that none runs launch's handlers in the child;
     ``child(mask)`` runs there (it must end the process; mask: the signals blocked before)."""
-    for stream in (sys.stdout, sys.stderr):  # else the child would write launch's buffered output again
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush_all()  # else the child would write launch's buffered output again
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         pid = os.fork()
         if pid == 0:
             try:
                 child(mask)
+            except BaseException:  # its own set-up failed: say why on stderr, not only with a code
+                with contextlib.suppress(BaseException):
+                    os.write(2, ("launch's fork: " + traceback.format_exc()).encode(errors="replace"))
             finally:
-                os._exit(70)  # only if child() returned or raised past its own handling
+                os._exit(70)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return pid
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _flush_all() -> None:
+    """Python's streams, then C's (what C code, oneDNN's verbose mode or a C extension printed)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        _libc().fflush(None)
 
 
 def _become_worker(
@@ -215,14 +229,18 @@ def _become_worker(
     sys.argv = [os.path.join(package, "__main__.py"), WORKER_ARGS[-1], *argv]  # as `python -m ddpjob train` sets it
     sys.path[0] = os.getcwd()
     _unbuffered_streams(old_streams)
+    with contextlib.suppress(Exception):  # C's stdout and stderr unbuffered too, as `python -u` makes them
+        libc = _libc()
+        for stream_name in ("stdout", "stderr"):
+            libc.setvbuf(ctypes.c_void_p.in_dll(libc, stream_name), None, 2, 0)  # _IONBF
     _seed_like_a_new_process()
     import torch
 
     omp = env.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else threads)
     with contextlib.suppress(Exception):
-        name = f"ddpjob-r{env.get('RANK', '?')}".encode()[:15]
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+        comm = f"ddpjob-r{env.get('RANK', '?')}".encode()[:15]
+        _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(comm), 0, 0, 0)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     _run_as_main(lambda: worker.run(argv), sigint_ignored)
 
@@ -257,7 +275,9 @@ def _unbuffered_streams(old: tuple[Any, ...]) -> None:
             if isinstance(handler, logging.FileHandler):
                 logger.removeHandler(handler)
             elif isinstance(handler, logging.StreamHandler) and handler.stream in old:
-                handler.setStream(err if handler.stream in (old[1], old[3]) else out)
+                # assigned, not setStream: that flushes the old stream, whose lock a thread of launch's
+                # may have held at the fork
+                handler.stream = err if handler.stream in (old[1], old[3]) else out
 
 
 def _seed_like_a_new_process() -> None:
@@ -291,9 +311,8 @@ def _run_as_main(main: Callable[[], int], sigint_ignored: bool) -> NoReturn:
         import atexit
 
         atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
+    with contextlib.suppress(BaseException):
+        _flush_all()
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -353,16 +372,27 @@ def _answer(check: Callable[..., Any], args: tuple[Any, ...], read_fd: int, writ
         data = pickle.dumps(("error", _portable(exc)))
     with os.fdopen(write_fd, "wb") as out:
         out.write(data)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
+    _end_own_children()
+    _flush_all()
     os._exit(0)
+
+
+def _end_own_children() -> None:
+    """The multiprocessing children the check started (a data factory's), ended as python's exit ends
+    daemonic ones; never launch's, which this fork's multiprocessing state may also list."""
+    import multiprocessing
+
+    own = [p for p in multiprocessing.active_children() if getattr(p, "_parent_pid", None) == os.getpid()]
+    for process in own:
+        process.terminate()
+    for process in own:
+        process.join(5)
 
 
 def _portable(exc: BaseException) -> BaseException:
     """A ddpjob error as itself; any other as a RuntimeError naming it, the check's traceback in a note
     (the user's class may not unpickle in launch, which has not imported its module)."""
-    if type(exc).__module__.startswith("ddpjob."):
+    if type(exc).__module__.startswith("ddpjob.") or type(exc) in (SystemExit, KeyboardInterrupt):
         return exc
     plain = RuntimeError(f"{type(exc).__qualname__}: {exc}")
     plain.__notes__ = ["in launch's check:\n" + "".join(traceback.format_exception(exc)).rstrip()]
@@ -399,7 +429,6 @@ class _AnswerUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import builtins
 
-        found = super().find_class(module, name)
         if module.startswith("ddpjob.") or (module == "builtins" and isinstance(getattr(builtins, name, None), type)):
-            return found
+            return super().find_class(module, name)  # imported only once allowed
         raise pickle.UnpicklingError(f"{module}.{name} is not an answer launch reads")
