@@ -34,16 +34,17 @@ def test_dcp_resume_is_bitwise_equal_to_an_uninterrupted_run(work):
     assert_bitwise_equal(whole, split)
 
 
-def test_dcp_folder_of_another_model_is_one_line_on_every_rank_and_launch_exits_2(work):
-    """Every rank says the one line; launch exits 2 even where one rank, still exiting after its line,
-    is stopped by the agent (torchrun's own summary may then name that rank's SIGTERM first)."""
+def test_dcp_folder_of_another_model_is_one_line_and_launch_exits_2(work):
+    """Each rank that gets to say it says the same one line (the agent stops the others once one has
+    exited 2); launch exits 2 even where a rank, still exiting after its line, was stopped first by the
+    clock (torchrun's own summary then names that rank's SIGTERM)."""
     ok(launched([*DCP, "--max-steps", "5"], work))
     other = ["--model", "ddpjob.plugins:digits_mlp(hidden=64)"]
     proc = ddpjob(["launch", "--nproc-per-node", "2", *DCP, "--max-steps", "10", *other], work, timeout=180)
     assert proc.returncode == 2 and "(bad input: not restarted)" in proc.stderr, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[node ")]
     errors = [ln for ln in lines if "ddpjob: error" in ln]
-    assert len(errors) == 2 and all("holds another job's checkpoints" in ln for ln in errors), errors
+    assert 1 <= len(errors) <= 2 and all("holds another job's checkpoints" in ln for ln in errors), errors
     assert not any("Traceback" in ln for ln in lines)
 
 

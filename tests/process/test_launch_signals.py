@@ -34,6 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 # 128 steps per epoch per rank; a stop is agreed at a multiple of --stop-check-every (within two):
 # with 100, the workers take a second or more to stop after a signal, and further signals land then.
 JOB = [
+    "--device",
+    "cpu",  # forked workers (a visible GPU would make them exec'd)
     "--nproc-per-node",
     "2",
     "--model",

@@ -90,6 +90,8 @@ def test_the_table_holds_every_pair_of_values_of_any_two_columns():
 def job(save: str, fmt: str, start: str = "auto") -> list[str]:
     slow = races_a_deadline(save)
     return [
+        "--device",
+        "cpu",
         "--worker-start",
         start,
         "--nproc-per-node",
@@ -263,6 +265,7 @@ if os.environ.get("RANK") == "0":  # a worker, not launch
     destroy = dist.destroy_process_group
 
     def signal_then_destroy(*args, **kwargs):  # called once training has finished
+        open(os.environ["FIRED"], "w").close()
         os.kill(os.getppid(), signal.{name})  # to launch, which torchrun runs in-process
         time.sleep(1)
         return destroy(*args, **kwargs)
@@ -276,9 +279,9 @@ def test_a_stop_signal_after_training_finished_keeps_exit_0(work, tmp_path_facto
     site = tmp_path_factory.mktemp("site")
     env = in_every_worker(site, LATE_SIGNAL.format(name=sig.name))
     run_dir = work / "runs/ddpjob"
-    agent = spawn(["launch", *job("ok", "file"), "--max-steps", "5"], work, **env)
+    agent = spawn(["launch", *job("ok", "file"), "--max-steps", "5"], work, FIRED=str(site / "fired"), **env)
     out = agent.communicate(timeout=180)[0]
-    assert injected_ranks(site) == ["0", "1"], out[-3000:]
+    assert injected_ranks(site) == ["0", "1"] and (site / "fired").exists(), out[-3000:]
     assert agent.returncode == 0, out[-3000:]
     assert attempts(run_dir)[-1]["exit_code"] == 0 and "done: step 5" in out
 
@@ -295,6 +298,7 @@ if os.environ.get("RANK") == "0":  # a worker, not launch
 
     def slow_fsync_dir(directory):  # the last step of a file save, after its manifest
         if glob.glob(os.path.join(directory, "step-*.pt.sum")):
+            open(os.environ["FIRED"], "w").close()
             time.sleep(6)
         return fsync_dir(directory)
 
@@ -312,7 +316,7 @@ SLOW_SAVES = {  # a stop's save on rank 0 that ends sealed: (slow_save seconds, 
 def test_a_stop_save_that_rank_0_seals_late_exits_75(work, tmp_path_factory, save):
     seconds, flags, site = SLOW_SAVES[save]
     folder = tmp_path_factory.mktemp("site")
-    env = in_every_worker(folder, site) if site else {}
+    env = {**in_every_worker(folder, site), "FIRED": str(folder / "fired")} if site else {}
     args = [*job("ok", "file"), "--save-timeout", "3", *flags]
     args[args.index("--model") + 1] = f"tests.plugins.slow_save:model(seconds={seconds},width=256)"
     run_dir = work / "runs/ddpjob"
@@ -320,12 +324,13 @@ def test_a_stop_save_that_rank_0_seals_late_exits_75(work, tmp_path_factory, sav
     try:
         wait_until(lambda: trained_steps(run_dir) >= 10, 180, "training to start")
         workers = workers_of(agent.pid)
+        assert len(workers) == 2, workers
         agent.send_signal(signal.SIGTERM)
         out = agent.communicate(timeout=240)[0]
         assert not [pid for pid in workers if alive(pid)], "workers outlived launch"
         assert_invariant(agent.returncode, out, run_dir, verified_steps(run_dir / "checkpoints"))
         assert agent.returncode == 75, out[-3000:]  # the checkpoint was sealed: nothing is lost
-        assert not site or injected_ranks(folder) == ["0", "1"]
+        assert not site or (injected_ranks(folder) == ["0", "1"] and (folder / "fired").exists())
     finally:
         if agent.poll() is None:
             agent.kill()
