@@ -219,9 +219,9 @@ def test_rendezvous_summary_counts_and_names_at_most_eight_hosts():
     port = free_port()
     watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 64, 300)  # nothing listens there yet
     assert "no count of joined nodes: reading the state from 127.0.0.1" in watch.summary()
-    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60))  # a bound, not a wait
     store.set("torch.rendezvous.job", _state(*(f"n{i}" for i in range(10))))
-    watch.poll(timeout_s=5)
+    watch.poll(timeout_s=30)
     assert watch.summary() == "at least 10 of 64 nodes joined (n0, n1, n2, n3, n4, n5, n6, n7 and 2 more)"
 
 
@@ -232,12 +232,12 @@ def test_rendezvous_count_keeps_the_nodes_it_saw_after_the_store_host_timed_out_
     from torch.distributed import TCPStore
 
     port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60))  # a bound, not a wait
     watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 3, 300)
     store.set("torch.rendezvous.job", _state("node-0", "node-1"))
-    watch.poll(timeout_s=5)
+    watch.poll(timeout_s=30)
     store.set("torch.rendezvous.job", _state("node-1"))  # node 0 timed out: it leaves the state
-    watch.poll(timeout_s=5)
+    watch.poll(timeout_s=30)
     del store  # and its store goes away with it
     watch.poll(timeout_s=1)
     assert watch.summary() == "at least 2 of 3 nodes joined (node-0, node-1)"
@@ -335,15 +335,15 @@ def test_rendezvous_count_counts_a_restarted_node_once_and_never_more_than_the_j
     from torch.distributed import TCPStore
 
     port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60))  # a bound, not a wait
     watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 3, 300)
     store.set("torch.rendezvous.job", _nodes(("node-0", 100), ("node-1", 101)))
-    watch.poll(timeout_s=5)
+    watch.poll(timeout_s=30)
     store.set("torch.rendezvous.job", _nodes(("node-0", 200), ("node-1", 101)))  # node 0 restarted
-    watch.poll(timeout_s=5)
+    watch.poll(timeout_s=30)
     assert watch.summary() == "at least 2 of 3 nodes joined (node-0, node-1)"
     store.set("torch.rendezvous.job", _nodes(("localhost", 1), ("localhost", 2), ("localhost", 3), ("node-1", 101)))
-    watch.poll(timeout_s=5)
+    watch.poll(timeout_s=30)
     assert watch.summary() == "at least 3 of 3 nodes joined (localhost, node-0, node-1)"
 
 
@@ -351,10 +351,10 @@ def test_rendezvous_summary_of_a_state_nobody_joined_says_no_node_was_seen():
     from torch.distributed import TCPStore
 
     port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60))  # a bound, not a wait
     watch = RendezvousWatch(f"127.0.0.1:{port}", "job", 3, 300)
     store.set("torch.rendezvous.job", b"Y2FuaW1hZGFt")
-    watch.poll(timeout_s=5)
+    watch.poll(timeout_s=30)
     assert watch.summary() == "no node of the 3 was seen to join"
 
 
