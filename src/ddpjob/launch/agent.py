@@ -347,10 +347,11 @@ def main(argv: Sequence[str], worker: worker_fork.Worker) -> int:
 
     import torch
 
-    forked = worker_fork.forks(cfg.worker_start, cfg.device, torch.cuda.device_count() > 0)
+    cuda_devices = torch.cuda.device_count()
+    forked = worker_fork.forks(cfg.worker_start, cfg.device, cuda_devices > 0)
     # where workers are forks of launch, the user's code runs in forks of its own (worker_fork.py)
     users_code = worker_fork.checked_apart if forked and not args.dry_run else worker_fork.run_here
-    plan = users_code(checked_plan, cfg, not args.dry_run)
+    plan = users_code(checked_plan, cfg, cuda_devices, not args.dry_run)
     train_argv = [a for a in argv if a != "--dry-run"]
     cmd = torchrun_args(cfg, plan, train_argv)
     log.info(
@@ -375,16 +376,14 @@ def main(argv: Sequence[str], worker: worker_fork.Worker) -> int:
     return code
 
 
-def checked_plan(cfg: config.Config, probe_data: bool) -> Plan:
+def checked_plan(cfg: config.Config, cuda_devices: int, probe_data: bool) -> Plan:
     """The user's plug-ins imported (a bad one fails here, not after rendezvous) and this node's plan."""
-    import torch
-
     for spec in (cfg.model, cfg.data):
         load_callable(spec)
     for spec in (cfg.optimizer, cfg.schedule, cfg.loss):
         if config.is_spec(spec):
             load_function(spec)  # imports it and checks its keywords (it is called by the workers)
-    return resolve_plan(cfg, os.environ, torch.cuda.device_count(), probe_data=probe_data)
+    return resolve_plan(cfg, os.environ, cuda_devices, probe_data=probe_data)
 
 
 def preflight(cfg: config.Config, plan: Plan) -> bool:

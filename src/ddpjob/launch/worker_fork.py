@@ -271,7 +271,7 @@ def _unbuffered_streams(old: tuple[Any, ...]) -> None:
     sys.stderr = sys.__stderr__ = err  # type: ignore[misc]
     loggers = [logging.getLogger(), *logging.root.manager.loggerDict.values()]
     for logger in (lg for lg in loggers if isinstance(lg, logging.Logger)):
-        for handler in list(getattr(logger, "handlers", [])):
+        for handler in list(logger.handlers):
             if isinstance(handler, logging.FileHandler):
                 logger.removeHandler(handler)
             elif isinstance(handler, logging.StreamHandler) and handler.stream in old:
@@ -340,14 +340,17 @@ def run_here(check: Callable[..., T], *args: Any) -> T:
 def checked_apart(check: Callable[..., T], *args: Any) -> T:
     """``check(*args)`` in a short-lived fork, so that the user's modules it imports, and what they do as
     they load, are not launch's (and so not every forked worker's). Its value or error comes back: a
-    ddpjob error as itself; any other as one RuntimeError whose note holds the check's traceback."""
+    ddpjob error, SystemExit or KeyboardInterrupt as itself; any other as one RuntimeError whose note
+    holds the check's traceback."""
     read_fd, write_fd = os.pipe()
     try:
         pid = _fork(lambda mask: _answer(check, args, read_fd, write_fd, mask))
     finally:
         os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as answers:
-        data, code = _read_until_exit(answers, pid)
+    try:
+        data, code = _read_until_exit(read_fd, pid)
+    finally:
+        os.close(read_fd)
     answer: tuple[str, Any] = ("", None)
     with contextlib.suppress(Exception):  # none (it failed before answering), or cut short (it died as it did)
         answer = _AnswerUnpickler(io.BytesIO(data)).load() if code == 0 else answer
@@ -399,11 +402,11 @@ def _portable(exc: BaseException) -> BaseException:
     return plain
 
 
-def _read_until_exit(answers: io.BufferedReader, pid: int) -> tuple[bytes, int]:
-    """Everything the check wrote, and its exit code: read until it exits, not until EOF (a process it
-    left behind may hold the pipe open)."""
+def _read_until_exit(fd: int, pid: int) -> tuple[bytes, int]:
+    """Everything the check wrote to fd, and its exit code: read until it exits, not until EOF (a
+    process it left behind may hold the pipe open)."""
     chunks: list[bytes] = []
-    fd, code = answers.fileno(), None
+    code = None
     while code is None:
         ready, _, _ = select.select([fd], [], [], 0.05)
         if ready:
