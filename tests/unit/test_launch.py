@@ -657,3 +657,15 @@ def test_workers_are_forked_only_where_none_may_use_cuda_for_every_setting_and_d
                 forks(setting, device, cuda)
         else:
             assert forks(setting, device, cuda) is forked, (setting, device, cuda)
+
+
+def test_a_torch_whose_agent_starts_workers_otherwise_is_one_line_naming_exec(monkeypatch):
+    """Another torch without SubprocessHandler._popen: launch cannot fork its workers, and says so
+    before any worker or rendezvous (not a traceback, not a silent exec)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    from ddpjob.launch.worker_fork import forking
+
+    monkeypatch.delattr(subprocess_handler.SubprocessHandler, "_popen")
+    with pytest.raises(UsageError, match=r"no _popen.*--worker-start exec"), forking(ForkedTrain()):
+        pass
