@@ -54,12 +54,13 @@ unit: setup
 	$(BIN)/pytest -q tests/unit
 
 # Real torchrun and subprocesses: two at a time (the tests sharing a reference run or a server on one
-# worker: tests/conftest.py), then the timing-sensitive tests (marked `serial` in their file) alone.
+# worker: tests/conftest.py), then the tests that race a deadline (marked `serial` in their file) apart
+# from them, two at a time (they mostly wait), those that measure a speed (`alone`) with none beside.
 process: process-parallel process-serial
 process-parallel: setup
 	$(BIN)/pytest -q -n 2 --dist loadgroup -m 'not serial' tests/process
 process-serial: setup
-	$(BIN)/pytest -q -m serial tests/process
+	$(BIN)/pytest -q -n 2 --dist loadgroup -m serial tests/process
 
 # Before a commit: lint and the unit tier (no processes).
 check: lint unit
@@ -72,7 +73,7 @@ N ?= 5
 flaky: setup
 	rm -rf runs/flaky && mkdir -p runs/flaky
 	for i in $$(seq 1 $(N)); do \
-		$(BIN)/pytest -q -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \
+		$(BIN)/pytest -q -n 2 --dist loadgroup -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \
 		echo $$? > runs/flaky/round-$$i.rc; \
 	done; $(BIN)/python tests/flaky.py $$(seq -f 'runs/flaky/round-%g.xml' 1 $(N))
 

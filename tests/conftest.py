@@ -1,9 +1,14 @@
 """Fixtures for every tier (unit, process, e2e). tests/ is put on sys.path, so helpers.py (the
 process helpers) and plugins/ import the same from tests/unit, tests/process and tests/e2e; so are
 this checkout's src/ and its root (examples/), as in the child processes (helpers.PYTHONPATH). A test
-that must run alone says so itself: `@pytest.mark.serial`, or `pytestmark` for a whole file."""
+that races a deadline says so itself: `@pytest.mark.serial`, or `pytestmark` for a whole file; it then
+runs apart from the parallel tier, beside at most one other such test (make process-serial). One that
+measures a speed (a rank's step time, a link) is also `@pytest.mark.alone`: no test runs beside it."""
 
+import fcntl
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -80,6 +85,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             name = group[name]
         return name
 
+    alone = [
+        item.nodeid for item in items if item.get_closest_marker("alone") and not item.get_closest_marker("serial")
+    ]
+    if alone:
+        raise pytest.UsageError(f"marked alone but not serial (the parallel tier would run them): {alone}")
     uses = {item.nodeid: shared_fixtures(item) for item in items}
     for names in uses.values():
         for name in names[1:]:
@@ -87,3 +97,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if uses[item.nodeid]:
             item.add_marker(pytest.mark.xdist_group(root(uses[item.nodeid][0])))
+
+
+def _locked(path: Path, mode: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, mode)
+    return fd
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under pytest-xdist (make process-serial runs `-n 2`), a `serial` test holds a shared lock of the
+    session from its set-up to its teardown (module fixtures included), and an `alone` test holds it
+    alone: it waits for the test beside it to end, and no test starts beside it. A gate, held by a
+    waiting `alone` test and passed through by the others, keeps a stream of shared holders from
+    starving it."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run or not item.get_closest_marker("serial"):
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"ddpjob-tests-{run}"
+    alone = item.get_closest_marker("alone") is not None
+    gate = _locked(base.with_suffix(".gate"), fcntl.LOCK_EX)
+    if not alone:
+        os.close(gate)
+    held = _locked(base.with_suffix(".lock"), fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        os.close(held)
+        if alone:
+            os.close(gate)

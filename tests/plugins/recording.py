@@ -18,8 +18,8 @@ from ddpjob import plugins
 
 
 class Recording(Dataset):
-    def __init__(self, base: Any, delay: float) -> None:
-        self.base, self.delay = base, delay
+    def __init__(self, base: Any, delay: float, until: str = "") -> None:
+        self.base, self.delay, self.until = base, delay, until
         self.file: Any = None
 
     def __len__(self) -> int:
@@ -30,14 +30,17 @@ class Recording(Dataset):
             name = f"{time.time_ns()}-{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt"
             self.file = open(os.path.join(os.environ["TEST_SAMPLES_DIR"], name), "a", buffering=1)  # noqa: SIM115
         self.file.write(f"{index}\n")
+        if self.delay and self.until and os.path.exists(os.path.join(os.environ["TEST_SAMPLES_DIR"], self.until)):
+            self.delay = 0.0  # released: the rest of the run at full speed
         time.sleep(self.delay)
         return self.base[index]
 
 
-def digits(delay: float = 0.0) -> tuple[Recording, Any]:
-    """``delay``: seconds of sleep per sample fetched, so a test can act mid-run."""
+def digits(delay: float = 0.0, until: str = "") -> tuple[Recording, Any]:
+    """``delay``: seconds of sleep per sample fetched, so a test can act mid-run; ``until``: a file
+    name in TEST_SAMPLES_DIR that ends the delay once the test has made it (after it acted)."""
     train, val = plugins.digits()
-    return Recording(train, delay), val
+    return Recording(train, delay, until), val
 
 
 def model() -> nn.Module:

@@ -2,8 +2,8 @@
 evaluation that is slow on rank 1 only, data that is slow to build (a long set-up), and data slow
 for a stretch of steps (a wide window for a test to act in)."""
 
+import ctypes
 import os
-import re
 import time
 from collections.abc import Callable
 
@@ -34,15 +34,19 @@ def hanging(after: int = 200):  # type: ignore[no-untyped-def]
     return Stalling(train, lambda i, fetched: fetched > after, 3600)
 
 
-def spinning(after: int = 200):  # type: ignore[no-untyped-def]
-    """The digits training set, whose loader after ``after`` samples spins in C holding the GIL (a
-    regular expression that backtracks for ever): no Python thread of the rank can run."""
+def gil_held(after: int = 200):  # type: ignore[no-untyped-def]
+    """The digits training set, whose loader after ``after`` samples blocks in a C call that keeps the
+    GIL (libc's sleep through ctypes.PyDLL, which does not release it, as a C extension stuck in I/O
+    would): no Python thread of the rank can run, and the rank burns no CPU while it waits."""
     train, _ = plugins.digits()
+    libc = ctypes.PyDLL(None)
 
-    def spin(i: int, fetched: int) -> bool:
-        return fetched > after and re.match(r"(a+)+$", "a" * 64 + "b") is not None
+    def hold(i: int, fetched: int) -> bool:
+        if fetched > after:
+            libc.sleep(3600)
+        return False
 
-    return Stalling(train, spin, 0)
+    return Stalling(train, hold, 0)
 
 
 def slow_eval(seconds: float = 8.0):  # type: ignore[no-untyped-def]

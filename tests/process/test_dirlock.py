@@ -11,7 +11,7 @@ import pytest
 from ddpjob.checkpoint import dirlock
 from ddpjob.errors import Retriable, UsageError
 
-pytestmark = pytest.mark.serial  # timing-sensitive: `make process` runs it alone
+pytestmark = pytest.mark.serial  # timing-sensitive: apart from the parallel tier (make process-serial)
 
 HOLD = """
 import os, sys, time

@@ -29,7 +29,7 @@ from helpers import (
 from ports import free_port
 
 # The resume-at-another-world-size tests compare samples, LRs and weights, whatever the timing: they
-# run two at a time. The elastic tests below act on live agents mid-run: `serial`, alone.
+# run in the parallel tier. The elastic tests below act on live agents mid-run: `serial`.
 pytestmark = pytest.mark.slow
 
 STEPS = 44  # digits: 1437 training samples, 22 steps of 64 per epoch, 2 epochs
@@ -137,7 +137,8 @@ def test_a_resume_on_a_dataset_of_another_size_is_refused_in_one_line(tmp_path):
 ELASTIC = [
     *JOB[2:],
     "--data",
-    "tests.plugins.recording:digits(delay=0.004)",  # ~0.13 s per step at 2 processes: time to act mid-run
+    # ~0.13 s per step at 2 processes, time to act mid-run, until the test makes samples/acted
+    "tests.plugins.recording:digits(delay=0.004, until='acted')",
     "--epochs",
     "4",
     "--stop-check-every",
@@ -192,6 +193,7 @@ def test_a_node_lost_mid_run_leaves_the_other_to_finish_the_same_run_alone(tmp_p
     nodes = [node(tmp_path, port, rank, "--checkpoint-format", fmt) for rank in (0, 1)]
     wait_until(lambda: trained_steps(run_dir) >= 12, 120, "step 12")
     os.kill(nodes[1].pid, signal.SIGKILL)  # the whole agent: its worker follows it (parent-death signal)
+    (tmp_path / "samples/acted").touch()
     out = nodes[0].communicate(timeout=300)[0]
     assert nodes[0].returncode == 0, out[-3000:]
     assert_same_run(tmp_path, elastic_reference, [2, 1])
@@ -204,6 +206,8 @@ def test_a_node_joining_mid_run_grows_the_group_which_finishes_the_same_run(tmp_
     first = node(tmp_path, port, 0, "--checkpoint-format", fmt)
     wait_until(lambda: trained_steps(run_dir) >= 8, 120, "step 8")
     second = node(tmp_path, port, 1, "--checkpoint-format", fmt)
+    wait_until(lambda: any(r["event"] == "resize" for r in records(run_dir)), 120, "the group to grow")
+    (tmp_path / "samples/acted").touch()
     outs = [n.communicate(timeout=300)[0] for n in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], [o[-3000:] for o in outs]
     assert_same_run(tmp_path, elastic_reference, [1, 2])

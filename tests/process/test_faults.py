@@ -31,7 +31,7 @@ from helpers import (
 )
 from ports import free_port
 
-# The tests that time a rank, a signal or a deadline are `serial` (alone); the storage faults and
+# The tests that time a rank, a signal or a deadline are `serial`; the storage faults and
 # the records checks hold whatever the timing and run two at a time.
 pytestmark = pytest.mark.slow
 # Slow enough per step that a signal lands mid-epoch: 128 steps per epoch per rank, 256 in all.

@@ -34,7 +34,8 @@ def test_doctor_passes_with_a_reachable_endpoint(work, listener):
 
 
 @root_only
-@pytest.mark.serial  # it times the doctor: `make process` runs it alone
+@pytest.mark.serial
+@pytest.mark.alone  # it times the doctor
 def test_doctor_fails_fast_on_an_unreachable_endpoint_with_the_fix(work):
     """In a network namespace of its own (no route to the endpoint), as on a node cut off from node 0."""
     start = time.monotonic()

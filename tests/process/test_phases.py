@@ -41,10 +41,10 @@ def test_a_loader_that_never_returns_fails_the_rank_with_exit_1_past_the_step_ti
 def test_a_rank_stuck_in_c_holding_the_gil_is_still_ended_by_the_c_timer(work: Path) -> None:
     """The watchdog thread cannot run; faulthandler's timer (a C thread) dumps the stacks and exits 1."""
     proc = ddpjob(
-        ["train", *JOB, "--data", "tests.plugins.stalls:spinning", "--collective-timeout", "2"], work, timeout=300
+        ["train", *JOB, "--data", "tests.plugins.stalls:gil_held", "--collective-timeout", "2"], work, timeout=300
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "Timeout (0:00:" in proc.stderr and "in spin" in proc.stderr, proc.stderr[-2000:]
+    assert "Timeout (0:00:" in proc.stderr and "in hold" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_peer_that_arrives_late_is_waited_for_by_startup_not_by_the_step_timeout(work: Path) -> None:

@@ -118,7 +118,8 @@ def run_nodes(work: Path, hosts: Path, *flags: str) -> tuple[list[int], str]:
 
 @root_only
 @pytest.mark.slow
-@pytest.mark.serial  # times links: alone
+@pytest.mark.serial
+@pytest.mark.alone  # it times links
 def test_all_nodes_names_the_node_whose_link_is_slowed_and_no_other(work, three_hosts):
     slow_down(2)
     codes, out = run_nodes(work, three_hosts, "--slow-factor", "0.25")
@@ -131,14 +132,15 @@ def test_all_nodes_names_the_node_whose_link_is_slowed_and_no_other(work, three_
 
 @root_only
 @pytest.mark.slow
-@pytest.mark.serial  # times links: alone
+@pytest.mark.serial
+@pytest.mark.alone  # it times links
 def test_all_nodes_on_equal_links_names_no_node_and_exits_0(work, three_hosts):
     codes, out = run_nodes(work, three_hosts, "--slow-factor", "0.25")
     assert codes == [0, 0, 0], out[-3000:]
     assert "preflight: ok: no node or link below 0.25x the median" in out and "SLOW" not in out
 
 
-@pytest.mark.serial  # against the rendezvous deadline: alone
+@pytest.mark.serial  # against the rendezvous deadline
 def test_a_missing_node_fails_within_the_rendezvous_timeout_in_one_line(work):
     flags = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "6"]
     start = time.monotonic()

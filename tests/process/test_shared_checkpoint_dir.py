@@ -34,7 +34,7 @@ from helpers import (
 )
 from ports import free_port
 
-# Two at a time, but for the two tests that race a deadline (`serial`, alone).
+# Two at a time, but for the two tests that race a deadline (`serial`, apart from the others).
 pytestmark = pytest.mark.slow
 SHORT = ["--epochs", "3", "--log-every", "1000"]
 

@@ -12,10 +12,10 @@ row; every signal, place, save outcome and format appears), 24 rows with today's
 Besides the table: a signal while the workers set up (nothing trained: not 75) and one after
 training finished (exit 0 stays 0), for every handled signal.
 
-Which rows run alone (`serial`): those that race a deadline (a save slower than --save-timeout, a
-seal just inside or after it, a signal during the final evaluation against --shutdown-timeout).
-The others hold whatever the machine's load, which only moves the step a signal lands on, and run
-two at a time; the signal during set-up lands there because the workers' data takes 5 s to build.
+Which rows are `serial` (apart from the parallel tier's load): those that race a deadline (a save
+slower than --save-timeout, a seal just inside or after it, a signal during the final evaluation
+against --shutdown-timeout). The others hold whatever the machine's load, which only moves the step a
+signal lands on, and run in the parallel tier; the signal during set-up lands there because the workers' data takes 5 s to build.
 """
 
 import contextlib

@@ -34,7 +34,8 @@ def quota(pid: int, done: threading.Event, run_s: float = 0.005, stop_s: float =
             return
 
 
-@pytest.mark.serial  # it measures step times: alone
+@pytest.mark.serial
+@pytest.mark.alone  # it measures step times
 def test_a_rank_held_to_a_cpu_quota_is_named_as_the_straggler_with_its_host(tmp_path):
     agent = spawn(["launch", "--nproc-per-node", "2", *JOB], tmp_path)
     wait_until(lambda: len(workers_of(agent.pid)) == 2, 60, "two workers")
