@@ -42,9 +42,9 @@ SKIPPED = {
     "make flaky": "reruns the timing-sensitive tier N times (tens of minutes): tests/unit/test_flaky.py checks its counting",
     "ddpjob train --model mypkg": "mypkg stands for the reader's own package",
     "ddpjob launch --nproc-per-node 8 --strategy fsdp2": "8 GPUs and my_pkg, the reader's own package",
-    "ddpjob doctor --all-nodes --nnodes": "one agent per node, by hand on several hosts; tests/test_preflight.py runs it",
-    "ddpjob diagnose runs/ddpjob": "reads the traces of a stuck job; tests/test_diagnose.py makes one",
-    "ddpjob launch --nnodes": "one agent per node on several hosts; tests/test_elastic.py runs them",
+    "ddpjob doctor --all-nodes --nnodes": "one agent per node, by hand on several hosts; tests/process/test_preflight_processes.py runs it",
+    "ddpjob diagnose runs/ddpjob": "reads the traces of a stuck job; tests/process/test_diagnose.py makes one",
+    "ddpjob launch --nnodes": "one agent per node on several hosts; tests/process/test_elastic.py runs them",
     "pip install 'ddpjob[s3]'": "installs the s3 extra, which the dev extra this suite runs in includes",
     "export AWS_ENDPOINT_URL": "names a store of the reader's; the S3 tests start their own (tests/s3server.py)",
     "ddpjob launch --nproc-per-node 2 --checkpoint-dir": "needs the reader's bucket; tests/process/"
@@ -109,6 +109,13 @@ def test_the_docs_have_commands_and_every_skip_row_is_used():
     assert len(ALL) > 20
     used = {prefix for c in ALL for prefix in SKIPPED if skip_reason(c.text) == SKIPPED[prefix]}
     assert set(SKIPPED) - used == set(), "rows of SKIPPED that no command needs any more"
+
+
+def test_every_test_file_the_docs_name_exists():
+    """A page that says where a behaviour is tested names a file that is there (tests moved into tiers)."""
+    named = {m for page in PAGES for m in re.findall(r"tests/[\w/]+\.py", page.read_text())}
+    named |= {m for reason in SKIPPED.values() for m in re.findall(r"tests/[\w/]+\.py", reason)}
+    assert named and sorted(m for m in named if not (REPO / m).is_file()) == []
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
