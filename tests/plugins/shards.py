@@ -23,9 +23,16 @@ from ddpjob.train import rng
 
 class ShardedFiles(IterableDataset):
     def __init__(
-        self, files: list[Path], endless: bool = False, seed: int = 0, delay: float = 0.0, narrowing: bool = False
+        self,
+        files: list[Path],
+        endless: bool = False,
+        seed: int = 0,
+        delay: float = 0.0,
+        narrowing: bool = False,
+        until: str = "",
     ) -> None:
         self.files, self.endless, self.seed, self.delay, self.narrowing = files, endless, seed, delay, narrowing
+        self.until = until
         self.rank, self.world, self.epoch = 0, 1, 0
         self.pass_, self.file, self.offset = 0, 0, 0  # the position: next sample of this copy's share
 
@@ -56,6 +63,8 @@ class ShardedFiles(IterableDataset):
                 while self.offset < len(order):
                     i = order[self.offset]
                     self.offset += 1  # before the yield: the state names the next sample
+                    if self.delay and self.until and os.path.exists(self.until):
+                        self.delay = 0.0  # released: the rest of the run at full speed
                     time.sleep(self.delay)
                     yield x[i], y[i]
                 self.file, self.offset = self.file + 1, 0
@@ -73,16 +82,22 @@ def write_shards(folder: Path, sizes: list[int]) -> None:
 
 
 def sharded(
-    folder: str = "shards", endless: bool = False, delay: float = 0.0, val_stream: bool = False, narrowing: bool = False
+    folder: str = "shards",
+    endless: bool = False,
+    delay: float = 0.0,
+    val_stream: bool = False,
+    narrowing: bool = False,
+    until: str = "",
 ) -> tuple[ShardedFiles, Any]:
     """The files under ``folder`` (relative to the working directory), with digits' validation set
     (``val_stream``: the first two files as a stream instead); ``delay``: seconds of sleep per
-    sample, so a test can act mid-run; ``narrowing``: set_rank drops the other ranks' files."""
+    sample, so a test can act mid-run, until a file ``until`` (relative to the working directory)
+    exists, which the test makes once it acted; ``narrowing``: set_rank drops the other ranks' files."""
     files = sorted(Path(folder).glob("shard-*.pt"))
     if not files:
         raise FileNotFoundError(f"no shard-*.pt files in {os.path.abspath(folder)}")
     val = ShardedFiles(files[:2]) if val_stream else plugins.digits()[1]
-    return ShardedFiles(files, endless, delay=delay, narrowing=narrowing), val
+    return ShardedFiles(files, endless, delay=delay, narrowing=narrowing, until=until), val
 
 
 def empty_validation(folder: str = "shards") -> tuple[ShardedFiles, ShardedFiles]:

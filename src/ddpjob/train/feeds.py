@@ -89,6 +89,17 @@ def every_step(step: int) -> bool:
     return True
 
 
+def end_workers(loader: DataLoader[Any]) -> None:
+    """Ends LOADER's live iterator's workers now, while its queues work. Left to the garbage collector
+    (setup.job collects DDP's cycles), the loader, its iterator and their queues go in one sweep, in
+    any order: a queue finalized first never delivers the workers' end, and torch waits out its 5 s
+    join for each worker before it kills it (10 s more for every stream job's end or stop)."""
+    live = getattr(loader, "_iterator", None)
+    shutdown = getattr(live, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 class Indexed:
     """A map-style dataset: this rank's samples of the epoch's permutation, from the global cursor on."""
 

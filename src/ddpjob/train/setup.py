@@ -164,7 +164,11 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
         # From here a stop signal is kept, not fatal: loading a checkpoint (waiting for the dir's lock,
         # for shared storage, verifying) can take minutes, and a stop then still ends in a checkpoint.
         # (Before, a blocking rendezvous would hold a handled signal until it returned.)
-        yield assemble(worker, StopSignal(cfg.stop_check_every, device), joined)
+        job = assemble(worker, StopSignal(cfg.stop_check_every, device), joined)
+        try:
+            yield job
+        finally:
+            feeds.end_workers(job.feed.loader)  # before the collection below (feeds.end_workers)
     except RuntimeError as exc:
         if UNUSED_PARAMETERS in str(exc):
             raise UsageError(
