@@ -22,8 +22,9 @@ from helpers import PY, PYTHONPATH, clean_env, ddpjob, launched, ok, records, sp
 from ports import free_port
 
 pytestmark = pytest.mark.slow
-# ~0.13 s per step (a sleep per sample fetched): the tracker starts, and a signal lands, mid-run.
-JOB = ["--data", "tests.plugins.recording:digits(delay=0.004)", "--epochs", "10", "--log-every", "4"]
+# ~0.13 s per step (a sleep per sample fetched): the tracker starts, and a signal lands, mid-run; a
+# test that has acted makes samples/acted, and the rest runs at full speed.
+JOB = ["--data", "tests.plugins.recording:digits(delay=0.004, until='acted')", "--epochs", "10", "--log-every", "4"]
 JOB += ["--save-every", "0", "--stop-check-every", "1"]
 
 
@@ -78,6 +79,7 @@ def preempt_and_resume(work: Path, args: list[str], keep_state: bool = True, **e
     assert agent.returncode == 75, out[-3000:]
     (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
     assert stop["step"] > 0
+    (work / "samples/acted").touch()
     if not keep_state:
         (run_dir / "tracker.json").unlink()
     ok(ddpjob(["launch", "--nproc-per-node", "2", *JOB, *args], work, timeout=400, **env))
