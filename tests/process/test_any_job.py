@@ -9,7 +9,7 @@ import torch
 
 from ddpjob.checkpoint import catalogue
 from ddpjob.train.setup import build
-from helpers import ddpjob, final_checkpoint, final_params, launched, lr_by_step, ok, records, torchrun
+from helpers import ddpjob, final_checkpoint, final_params, launched, lr_by_step, ok, records
 
 pytestmark = pytest.mark.slow
 
@@ -195,7 +195,7 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run_on_any_job(work, job, w
 
     def run(run_dir, *flags):
         flags = [*args, "--run-dir", run_dir, "--max-steps", str(total), *flags]
-        return ok(ddpjob(["train", *flags], work) if world == 1 else torchrun(flags, work))
+        return ok(ddpjob(["train", *flags], work) if world == 1 else launched(flags, work))
 
     run("whole", "--save-every", "5", "--keep", "10")
     step_5 = dict(catalogue.list_steps(work / "whole/checkpoints"))[5]

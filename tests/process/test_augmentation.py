@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, StackDataset, Subset
 
 from ddpjob.train import rng
-from helpers import assert_bitwise_equal, ddpjob, final_params, ok, records, torchrun
+from helpers import assert_bitwise_equal, ddpjob, final_params, launched, ok, records
 from plugins import numeric_jobs as plugins_numbers
 
 P = "tests.plugins.numeric_jobs"
@@ -40,7 +40,7 @@ def test_each_sample_gets_the_same_augmentation_at_any_world_size_and_num_worker
         samples.mkdir()
         flags = [*JOB, "--num-workers", str(workers), "--run-dir", f"world{world}"]
         env = {"TEST_SAMPLES_DIR": str(samples)}
-        ok(ddpjob(["train", *flags], work, **env) if world == 1 else torchrun(flags, work, **env))
+        ok(ddpjob(["train", *flags], work, **env) if world == 1 else launched(flags, work, **env))
         seen[world] = Counter(line for path in samples.glob("*.txt") for line in path.read_text().splitlines())
     assert sum(seen[1].values()) == 2 * 96 and len({line.split()[0] for line in seen[1]}) == 96
     assert seen[1] == seen[2]  # (index, digest of the augmented input) pairs

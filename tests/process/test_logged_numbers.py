@@ -13,7 +13,7 @@ from ddpjob.distenv import DistEnv
 from ddpjob.errors import UsageError
 from ddpjob.train.evaluation import evaluate
 from ddpjob.train.losses import IGNORE_INDEX, Loss
-from helpers import ddpjob, records, torchrun
+from helpers import ddpjob, launched, records
 from plugins import anyjob
 
 SINGLE = DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500, "single")
@@ -77,7 +77,7 @@ def test_with_grad_accum_the_logged_loss_and_extras_are_the_steps_mean_over_micr
     logged = {}
     for accum, batch in ((2, 8), (1, 16)):
         run = f"accum{accum}"
-        proc = torchrun([*job, "--run-dir", run, "--grad-accum", str(accum), "--batch-size", str(batch)], work)
+        proc = launched([*job, "--run-dir", run, "--grad-accum", str(accum), "--batch-size", str(batch)], work)
         assert proc.returncode == 0, proc.stderr[-3000:]
         logged[accum] = {r["step"]: r for r in records(work / run) if r["event"] == "train"}
     assert sorted(logged[2]) == sorted(logged[1]) == [1, 2, 3]

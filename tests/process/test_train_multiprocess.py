@@ -14,6 +14,7 @@ from helpers import (
     clean_env,
     ddpjob,
     final_params,
+    launched,
     ok,
     plain_env_ranks,
     spawn,
@@ -86,7 +87,7 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(work, world, load_mode)
     def run(run_dir, max_steps):
         if world == 1:
             return ok(ddpjob(["train", *args, "--run-dir", run_dir, "--max-steps", str(max_steps)], work))
-        return ok(torchrun([*args, "--run-dir", run_dir, "--max-steps", str(max_steps)], work))
+        return ok(launched([*args, "--run-dir", run_dir, "--max-steps", str(max_steps)], work))
 
     run("whole", 25)
     run("split", 9)  # stops mid-epoch: the epoch has 11 (ws 2) or 22 (ws 1) steps
