@@ -100,4 +100,4 @@ e2e-down:
 	bash tests/e2e/teardown.sh
 
 clean:
-	rm -rf $(VENV) runs .e2e
+	rm -rf $(VENV) .e2e runs/*  # runs/ itself stays: Slurm writes the jobs' output there and does not make it

@@ -185,6 +185,17 @@ def test_every_batch_script_requests_gpus_and_cpus_per_node(script):
     assert any(o.startswith("--cpus-per-task=") or o == "--exclusive" for o in options), options
 
 
+@pytest.mark.parametrize("script", sorted((REPO / "slurm").glob("*.sbatch")), ids=lambda p: p.name)
+def test_every_batch_scripts_output_folder_comes_with_a_clone(script):
+    """Slurm opens --output and --error in the submit dir before the script's first line and does not
+    make their folder: without it the job dies at once with nothing written anywhere."""
+    files = [o.split("=", 1)[1] for o in sbatch_options(script) if o.startswith(("--output=", "--error="))]
+    assert files, "no --output: Slurm's default slurm-%j.out lands in the submit dir"
+    for folder in {str(Path(f).parent) for f in files}:
+        tracked = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True).stdout
+        assert tracked.strip(), f"{folder}/ holds no tracked file: a fresh clone would not have it"
+
+
 GRANTS = [  # (what Slurm sets in the batch script's env, the --cpus-per-task srun must get)
     ({"SLURM_CPUS_PER_TASK": "64", "SLURM_JOB_CPUS_PER_NODE": "128(x2)", "SLURM_CPUS_ON_NODE": "128"}, "64"),
     ({"SLURM_JOB_CPUS_PER_NODE": "96(x2)", "SLURM_CPUS_ON_NODE": "96"}, "96"),
