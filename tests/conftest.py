@@ -5,8 +5,8 @@ that races a deadline says so itself: `@pytest.mark.serial`, or `pytestmark` for
 runs apart from the parallel tier, beside at most one other such test (make process-serial). One that
 measures a speed (a rank's step time, a link) is also `@pytest.mark.alone`: no test runs beside it."""
 
+import contextlib
 import fcntl
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -99,32 +99,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(root(uses[item.nodeid][0])))
 
 
-def _locked(path: Path, mode: int) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, mode)
-    return fd
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Under pytest-xdist (make process-serial runs `-n 2`), a `serial` test holds a shared lock of the
     session from its set-up to its teardown (module fixtures included), and an `alone` test holds it
     alone: it waits for the test beside it to end, and no test starts beside it. A gate, held by a
     waiting `alone` test and passed through by the others, keeps a stream of shared holders from
-    starving it."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    starving it. The session is xdist's test run (not an inherited variable: a pytest a test starts
+    is another session)."""
+    run = getattr(item.config, "workerinput", {}).get("testrunuid")
     if not run or not item.get_closest_marker("serial"):
         yield
         return
     base = Path(tempfile.gettempdir()) / f"ddpjob-tests-{run}"
     alone = item.get_closest_marker("alone") is not None
-    gate = _locked(base.with_suffix(".gate"), fcntl.LOCK_EX)
-    if not alone:
-        os.close(gate)
-    held = _locked(base.with_suffix(".lock"), fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-    try:
+    with contextlib.ExitStack() as held:
+        gate = held.enter_context(open(base.with_suffix(".gate"), "a"))
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        lock = held.enter_context(open(base.with_suffix(".lock"), "a"))
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield
-    finally:
-        os.close(held)
-        if alone:
-            os.close(gate)

@@ -67,15 +67,15 @@ def test_a_stream_stopped_mid_epoch_resumes_bitwise_equal_with_workers(tmp_path,
     first_eval = next(r for r in records(whole) if r["event"] == "eval")
     assert first_eval["step"] == epoch_steps  # every rank stopped at the shorter share's end, none hung
 
-    slow = [*extra, "--data", f"{DATA}(delay=0.01, until='acted')", "--log-every", "1"]  # until the signal
+    slow = [*extra, "--data", f"{DATA}(delay=0.01, until='acted')", "--log-every", "1"]  # until the stop
     work = work_with_shards(tmp_path)
     run_dir = work / "runs/ddpjob"
     agent = spawn(job(world, *slow), work)
     wait_until(lambda: trained_steps(run_dir) >= 6, 180, "training to start")
     agent.send_signal(signal.SIGTERM)
-    (work / "acted").touch()
     out = agent.communicate(timeout=180)[0]
     assert agent.returncode == 75, out[-3000:]
+    (work / "acted").touch()  # the resume, at full speed
     (stop,) = [r for r in records(run_dir) if r["event"] == "preempted"]
     assert stop["step"] % epoch_steps, stop  # mid-epoch: the workers' stream positions matter
 
@@ -89,12 +89,15 @@ def test_a_stream_job_ends_with_its_loader_workers_not_after_torchs_join_timeout
     """Training stops mid-epoch with the loader's workers mid-stream: they end with it (feeds.end_workers),
     not when torch gives up on each after 5 s and kills it (a stop signal's exit came 10 s late)."""
     work = work_with_shards(tmp_path)
-    job = spawn(["train", *JOB, "--data", DATA, "--max-steps", "30", "--log-every", "1000"], work)  # epoch: 54
-    assert job.stdout is not None
-    done = next((time.monotonic() for line in job.stdout if "] done:" in line), None)
-    out = job.communicate(timeout=120)[0]  # the rest, up to the end of the output: the workers hold it too
+    proc = spawn(["train", *JOB, "--data", DATA, "--max-steps", "30", "--log-every", "1000"], work)  # epoch: 54
+    assert proc.stdout is not None
+    try:
+        done = next((time.monotonic() for line in proc.stdout if "] done:" in line), None)
+        out = proc.communicate(timeout=120)[0]  # the rest, up to the end of the output: the workers hold it too
+    finally:
+        proc.kill()
     ended = time.monotonic()
-    assert job.returncode == 0 and done is not None, out[-3000:]
+    assert proc.returncode == 0 and done is not None, out[-3000:]
     assert ended - done < 4, f"{ended - done:.1f} s from the last line to the end"
 
 

@@ -155,6 +155,8 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
     train_set, val_set = build_data(cfg.data)
     worker = Worker(cfg, env, device, loss, train_set, val_set, Tracer(cfg.run_dir, env.rank), Phases(cfg))
     watchdog = start_watchdog(worker.phases, worker.tracer, cfg.heartbeat, cfg.trace_after)
+    job: Job | None = None  # dropped before the collection below: it must free DDP's reducer (loop.run)
+    loader = None  # the training data's loader, once built: its workers end before that collection too
     try:  # from here every exit stops the watchdog (a failed start-up too: it would end the process)
         if cfg.strategy in DISTRIBUTED:
             if device.type == "cuda":
@@ -165,10 +167,8 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
         # for shared storage, verifying) can take minutes, and a stop then still ends in a checkpoint.
         # (Before, a blocking rendezvous would hold a handled signal until it returned.)
         job = assemble(worker, StopSignal(cfg.stop_check_every, device), joined)
-        try:
-            yield job
-        finally:
-            feeds.end_workers(job.feed.loader)  # before the collection below (feeds.end_workers)
+        loader = job.feed.loader
+        yield job
     except RuntimeError as exc:
         if UNUSED_PARAMETERS in str(exc):
             raise UsageError(
@@ -185,6 +185,9 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
         raise
     finally:
         watchdog.set()
+        job = None
+        if loader is not None:
+            feeds.end_workers(loader)  # now, while its queues work (feeds.end_workers)
         # DDP's reducer sits in reference cycles; freed at interpreter exit, its pending gloo work
         # aborts the process ("terminate called without an active exception"). Free it now.
         gc.collect()
