@@ -43,7 +43,6 @@ def pytest_configure(config):
 """
 
 TIMED = """
-import os
 import time
 import pytest
 
