@@ -1,5 +1,9 @@
-"""Test plug-in: the digits model, except that its forward raises at call ``at`` (a user's model
-that fails mid-run)."""
+"""Test plug-ins: the digits model, except that its forward raises at call ``at`` (a user's model
+that fails mid-run); a factory that fails slowly, once the stop signals are handled."""
+
+import os
+import time
+from pathlib import Path
 
 from torch import nn
 
@@ -20,3 +24,11 @@ class Failing(nn.Module):
 
 def model(at: int = 6) -> nn.Module:
     return Failing(at)
+
+
+def slow_to_fail(seconds: float = 1.0):  # type: ignore[no-untyped-def]
+    """Touches $CALLED as it is called (in set-up, after the stop handlers are in), takes ``seconds``,
+    then returns no nn.Module: a set-up that fails as bad input."""
+    Path(os.environ["CALLED"]).touch()
+    time.sleep(seconds)
+    return (nn.Linear(2, 2),)

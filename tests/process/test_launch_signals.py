@@ -89,6 +89,21 @@ def test_slurm_preemption_signals_every_process_repeatedly_one_checkpoint_exit_7
     assert len(starts) == 2 and starts[1]["step"] == stop["step"] and starts[1]["resumed_from"]
 
 
+def test_a_stop_signal_repeated_until_launch_has_exited_leaves_its_exit_75(work):
+    # CPython puts back each handled signal's default action as it exits: a TERM that reached launch
+    # then (Slurm or train.sbatch forwarding it once more) killed it, after it had said "exit 75".
+    agent, workers = start(work, "--epochs", "3", "--stop-check-every", "5")
+    sent = 0
+    while agent.poll() is None:
+        signal_step([agent.pid, *workers], signal.SIGTERM)
+        sent += 1
+        time.sleep(0.02)
+    out = agent.communicate(timeout=60)[0]
+    assert agent.returncode == 75, (agent.returncode, sent, out[-3000:])
+    assert "is verified (exit 75)" in out and out.count("[ddpjob] saved ") == 1, out[-3000:]
+    assert not [pid for pid in workers if alive(pid)]
+
+
 def test_workers_that_fail_to_checkpoint_on_a_stop_signal_give_launch_their_exit_code(work):
     agent, workers = start(work, "--epochs", "3", "--stop-check-every", "100")
     ckpt = work / "runs/ddpjob/checkpoints"

@@ -203,6 +203,24 @@ def test_a_stop_signal_while_the_workers_set_up_is_not_75(work, sig):
     assert agent.returncode != 75 and not trained_steps(run_dir), out[-3000:]
 
 
+def test_a_set_up_that_fails_under_repeated_stop_signals_keeps_its_exit_code(work, tmp_path):
+    """A stop signal in set-up is kept (a checkpoint load can take minutes), but when set-up then fails,
+    the exit code is the failure's: CPython puts back each handled signal's default action as it exits,
+    and a signal repeated then (Slurm, train.sbatch's forward) must not turn exit 2 into a death."""
+    called = tmp_path / "called"
+    proc = spawn(["train", "--model", "tests.plugins.failing:slow_to_fail(seconds=1)"], work, CALLED=str(called))
+    wait_until(called.exists, 120, "the model factory to be called")
+    sent = 0
+    while proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        sent += 1
+        time.sleep(0.002)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 2, (proc.returncode, sent, out[-3000:])
+    assert "ddpjob: error: model factory 'tests.plugins.failing:slow_to_fail(seconds=1)' returned tuple" in out
+
+
 # In launch (not its workers): once torchrun's agent has started both workers, and before it has
 # recorded them (its start returns their handles), a stop signal to launch itself. Delivered at once:
 # the handler runs at the next bytecode, inside the agent's start.

@@ -1,6 +1,7 @@
 """`ddpjob launch`: scheduler detection from each scheduler's real env shape, and real launches."""
 
 import base64
+import contextlib
 import datetime
 import os
 import pickle
@@ -523,6 +524,26 @@ def test_a_stop_signal_while_the_agent_starts_or_stops_its_workers_is_raised_onc
     assert the_agent.done and raised.value.sigval == signal.SIGUSR1 and stops.count == signals
     assert isinstance(raised.value.__cause__, RuntimeError) == fails
     assert getattr(LocalElasticAgent, method) is start_or_stop and not stops.holding  # put back
+
+
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_once_torchrun_has_returned_the_stop_signals_are_ignored_not_left_to_their_default(tmp_path, ends):
+    """CPython puts back SIG_DFL for every signal it handled as the interpreter exits: a TERM then (Slurm
+    signals every process of a step, train.sbatch forwards it again) would kill launch on its way to
+    exit 75. So installed() leaves each of its signals ignored, however torchrun ended."""
+    names = (signal.SIGUSR1, signal.SIGUSR2)
+    previous = [signal.getsignal(sig) for sig in names]
+    stops = agent.AgentSignals(7, tmp_path, tmp_path)
+    try:
+        with contextlib.suppress(RuntimeError), stops.installed(",".join(sig.name for sig in names)):
+            assert all(signal.getsignal(sig) == stops.handle for sig in names)
+            if ends == "raises":
+                raise RuntimeError("torchrun failed")
+        assert [signal.getsignal(sig) for sig in names] == [signal.SIG_IGN, signal.SIG_IGN]
+        assert stops.done
+    finally:
+        for sig, handler in zip(names, previous, strict=True):
+            signal.signal(sig, handler)
 
 
 def test_a_stop_record_from_before_the_agent_last_started_workers_is_read_past_and_left(monkeypatch, tmp_path):

@@ -399,8 +399,8 @@ class AgentSignals:
     (``scancel``, preemption), train.sbatch forwards TERM again and a preemption follows USR1, so a
     later signal would end launch (and, through the workers' watch on their parent, the workers)
     before they had checkpointed. Here only the first signal raises, as torchrun expects: the agent
-    forwards it and waits up to --shutdown-timeout, then SIGKILLs. Later ones are counted, also
-    after torchrun has returned (a late TERM must not turn launch's 75 into a death by signal). The
+    forwards it and waits up to --shutdown-timeout, then SIGKILLs. Later ones are counted, and
+    ignored once torchrun has returned (a late TERM must not turn launch's 75 into a death by signal). The
     exit code then comes from the disk: 75 when the checkpoint of the step where the workers
     stopped is verified (stop_record.py), whatever the workers' exit codes; 0 when they all finished.
     """
@@ -531,11 +531,15 @@ class AgentSignals:
         try:
             yield
         finally:
+            # First: CPython puts back the default action of every signal it handled as it exits, so a
+            # late TERM (Slurm, train.sbatch's forward) would kill launch on its way to exit 75.
+            self.done = True
+            for name in names.split(","):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
             api._terminate_process_handler, local_elastic_agent.start_processes = original_handler, original_start
             for name, method in held.items():
                 setattr(agent_class, name, method)
             registry.get_rendezvous_handler = original_handler_of
-            self.done = True
             for handler in handlers:  # see stop_heartbeats
                 stop_heartbeats(handler)
 
