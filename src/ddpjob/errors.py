@@ -79,6 +79,8 @@ TRANSIENT_NAMES = frozenset(
         "ConnectionClosedError",
         "ResponseStreamingError",
         "IncompleteReadError",
+        "HTTPClientError",
+        "ResponseParserError",
     }
 )
 

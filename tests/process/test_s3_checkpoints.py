@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -337,3 +338,32 @@ def test_a_corrupt_newest_checkpoint_in_the_store_is_skipped_for_the_one_before(
     out = ok(ddpjob(["train", *flags, "--max-steps", "12"], work))
     assert f"skipping checkpoint {newest}: checksum mismatch in block" in out, out[-2000:]
     assert starts(work) == [0, 5]
+
+
+@pytest.mark.serial  # it times a deadline: alone on the machine's cores, not beside the parallel tier
+@pytest.mark.parametrize("failing", ["resets every connection", "answers 503 SlowDown"])
+def test_a_store_failing_every_request_ends_an_operation_near_the_save_timeout(monkeypatch, failing):
+    """--save-timeout is how long a store operation is retried, then a save error. botocore's and s3fs's
+    own retries under ddpjob's took 17 to 40 s for a deadline of 3 s; within 3 tries of botocore's now."""
+    from s3server import FaultProxy
+
+    store_down = FaultProxy(target_port=1)  # never reached: every request fails before it
+    if failing == "resets every connection":
+        store_down.down()
+    else:
+        store_down.slow_down(10**6)
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setattr(storage, "RETRY_FOR", storage.RETRY_FOR)
+    for name, value in (("AWS_ENDPOINT_URL", store_down.endpoint), ("AWS_ACCESS_KEY_ID", "k")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    storage.set_retry_for(3)
+    manifest = storage.ObjectPath("s3://bucket/run/step-1.pt.sum")
+    started = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        manifest.store.commit(manifest, b"{}")
+    took = time.monotonic() - started
+    store_down.listener.close()
+    assert storage.retriable(failed.value) and store_down.failed >= 3, failed.value
+    assert 3 <= took < 3 + 7, took  # the last try starts by the deadline; botocore's waits are at most 1 + 2 s

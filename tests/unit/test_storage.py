@@ -93,3 +93,29 @@ def test_a_connection_to_the_store_that_broke_is_retriable_not_bad_input(name):
     exceptions = pytest.importorskip("botocore.exceptions")
     exc = getattr(exceptions, name)(**BROKEN_CONNECTIONS[name])
     assert transient(exc, "s3://b/run/step-5.pt") is not None and storage.retriable(exc)
+
+
+def test_every_failure_s3fs_would_retry_is_retried_by_ddpjob_which_turns_s3fs_retries_off(monkeypatch):
+    """s3fs's own loop (5 tries, each with botocore's) is off, so that --save-timeout bounds a store
+    operation: each error class it retried must be one FsspecStorage._retry retries."""
+    s3fs = pytest.importorskip("s3fs")
+    for cls in s3fs.core.S3_RETRYABLE_ERRORS:
+        assert storage.retriable(cls.__new__(cls)), cls
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1001")
+    assert storage.fsspec_storage("s3://b/x").fs.retries == 1
+
+
+@pytest.mark.parametrize(("save_timeout", "wait"), [(3, 1.0), (30, 10.0), (600, 60.0)])
+def test_the_s3_clients_waits_follow_the_save_timeout(monkeypatch, save_timeout, wait):
+    """A store made before the manager sets --save-timeout (a probe at start-up) gets a client whose
+    connect and read waits are a share of it: 3 tries of botocore's end near the deadline."""
+    pytest.importorskip("s3fs")
+    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setattr(storage, "RETRY_FOR", storage.RETRY_FOR)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1001")
+    store = storage.fsspec_storage("s3://b/x")
+    storage.set_retry_for(save_timeout)
+    settings = store.fs.config_kwargs
+    assert (settings["connect_timeout"], settings["read_timeout"]) == (wait, wait) and store.retry_for == save_timeout
+    assert settings["retries"]["max_attempts"] == storage.S3_ATTEMPTS and store.fs.retries == 1

@@ -253,13 +253,14 @@ class FsspecStorage:
             try:
                 return work()
             except Exception as exc:
-                if _unavailable(exc) or not retriable(exc) or time.monotonic() + delay > deadline:
+                left = deadline - time.monotonic()
+                if _unavailable(exc) or not retriable(exc) or left <= 0:
                     raise
                 if not told:
                     log.warning(f"cannot {what} now ({first_line(exc)[:200]}); retrying for up to {self.retry_for:g} s")
                     told = True
                 self.fs.invalidate_cache()
-            time.sleep(delay * (0.5 + random.random()))
+            time.sleep(min(delay * (0.5 + random.random()), left))  # the last try at the deadline, not past it
             delay = min(delay * 2, 5.0)
 
     def list(self, folder: ObjectPath) -> list[ObjectPath]:
@@ -456,16 +457,36 @@ def fsspec_storage(url: str) -> FsspecStorage:
     if key not in _STORES:
         if problem := optional.url_problem(url):
             raise UsageError(f"{url} {problem}")
-        import fsspec  # a dependency of torch
-
-        options: dict[str, Any] = {"skip_instance_cache": True}
-        if protocol in ("s3", "s3a"):  # botocore's own retries of throttling and 5xx, under ours
-            options |= {"config_kwargs": {"retries": {"max_attempts": 5, "mode": "standard"}}}
         # aiohttp (under s3fs) leaves a task's reset connection to asyncio's logger, as a traceback;
         # the failure itself reaches ddpjob (retried, or one line)
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        _STORES[key] = FsspecStorage(protocol, fsspec.filesystem(protocol, **options), RETRY_FOR)
+        _STORES[key] = FsspecStorage(protocol, filesystem(protocol, RETRY_FOR), RETRY_FOR)
     return _STORES[key]
+
+
+S3_PROTOCOLS = ("s3", "s3a")
+S3_ATTEMPTS = 3  # botocore's tries of one request (throttling, 5xx, a reset), with at most 1 + 2 s between
+
+
+def s3_client_settings(retry_for: float) -> dict[str, Any]:
+    """botocore's settings under FsspecStorage._retry, which retries for ``retry_for`` s: a few tries of
+    its own, each connect or read waiting at most a share of that (1 to 60 s, botocore's default), so
+    that an operation against a store that stopped answering ends near the deadline, not minutes after."""
+    wait = min(max(retry_for / S3_ATTEMPTS, 1.0), 60.0)
+    retries = {"max_attempts": S3_ATTEMPTS, "mode": "standard"}
+    return {"retries": retries, "connect_timeout": wait, "read_timeout": wait}
+
+
+def filesystem(protocol: str, retry_for: float) -> Any:
+    """A new fsspec filesystem for protocol; an S3 one with s3_client_settings, and without s3fs's own
+    loop of retries (5 tries, each with botocore's): FsspecStorage._retry retries the same failures."""
+    import fsspec  # a dependency of torch
+
+    if protocol not in S3_PROTOCOLS:
+        return fsspec.filesystem(protocol, skip_instance_cache=True)
+    fs = fsspec.filesystem(protocol, skip_instance_cache=True, config_kwargs=s3_client_settings(retry_for))
+    fs.retries = 1
+    return fs
 
 
 def checkpoint_dir(cfg: Config) -> Where:
@@ -531,6 +552,8 @@ def set_retry_for(seconds: float) -> None:
     global RETRY_FOR
     RETRY_FOR = seconds
     for store in _STORES.values():
+        if store.protocol in S3_PROTOCOLS and store.retry_for != seconds:  # its client's waits follow
+            store.fs = filesystem(store.protocol, seconds)
         store.retry_for = seconds
 
 
