@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.plugins.fork_probe import EXIT_ROWS
 
-from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, ok, trained_steps, wait_until
+from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, launched, ok, trained_steps, wait_until
 
 
 def probe(mode: str, out: Path, timeout: float = 240) -> None:
@@ -51,6 +51,19 @@ def test_a_forked_worker_starts_as_an_exec_d_python_would(work):
     assert forked["handlers"]["SIGINT"] == "default_int_handler" and forked["own_session"]
     for key in execd:
         assert forked[key] == execd[key], key
+
+
+def test_forked_workers_draw_their_own_random_numbers_before_ddpjob_seeds(work):
+    """Each exec'd process seeds torch's and numpy's generators from the OS: a user's data factory that
+    draws before ddpjob seeds gets other numbers on every rank. Forks of launch must too."""
+    calls = work / "calls"
+    flags = ["--worker-start", "fork", "--device", "cpu", "--max-steps", "1", "--save-every", "0"]
+    flags += ["--model", "ddpjob.plugins:synthetic_mlp(width=64)"]
+    ok(launched([*flags, "--data", "tests.plugins.rank_data:seeds_drawn"], work, TEST_DATA_CALLS=str(calls)))
+    drawn = dict(line.split(" ", 1) for line in calls.read_text().splitlines())
+    assert sorted(drawn) == ["0", "1"], drawn
+    torch_draws, numpy_draws = zip(*(draw.split() for draw in drawn.values()), strict=True)
+    assert len(set(torch_draws)) == 2 and len(set(numpy_draws)) == 2, drawn
 
 
 def test_a_forked_worker_ends_as_an_exec_d_python_would(work):

@@ -281,11 +281,15 @@ def _unbuffered_streams(old: tuple[Any, ...]) -> None:
 
 
 def _seed_like_a_new_process() -> None:
-    """numpy's global generator is seeded from the OS in every new process (python's random is
-    reseeded after a fork by python itself)."""
+    """numpy's and torch's CPU generators are seeded from the OS in every new process (python's random
+    is reseeded after a fork by python itself): a user's code that draws before ddpjob seeds gets other
+    numbers on every rank. (A new process's CUDA generators start from a constant: not forked workers'.)"""
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
 
 
 def _run_as_main(main: Callable[[], int], sigint_ignored: bool) -> NoReturn:
