@@ -47,7 +47,8 @@ def test_each_documented_query_parameter_is_hidden(name):
     assert redact(f'm:f(url="https://h/x?{name}={SECRET}")') == f'm:f(url="https://h/x?{name}={HIDDEN}")'
 
 
-def test_config_output_and_error_lines_hide_the_secret(capsys):
+def test_config_output_and_error_lines_hide_the_secret(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # train makes its run dir where it runs: not in the checkout
     uri = f"http://alice:Pw@{SECRET}@host:5000"
     assert cli.main(["config", "--tracker-uri", uri]) == 0
     out = capsys.readouterr().out
