@@ -36,6 +36,7 @@ from ddpjob.train.stop_signal import STOP_SIGNALS
 from helpers import (
     PYTHONPATH,
     alive,
+    ddpjob,
     in_every_worker,
     injected_ranks,
     rank_of,
@@ -219,6 +220,15 @@ def test_a_set_up_that_fails_under_repeated_stop_signals_keeps_its_exit_code(wor
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 2, (proc.returncode, sent, out[-3000:])
     assert "ddpjob: error: model factory 'tests.plugins.failing:slow_to_fail(seconds=1)' returned tuple" in out
+
+
+def test_a_stop_signal_as_a_failed_set_up_tears_down_leaves_the_failures_code_and_line(work):
+    """torchrun's agent stops the other ranks with TERM once one has exited 2: a rank that failed too,
+    and is tearing down, must still say why and exit with its own code, not die of the TERM."""
+    proc = ddpjob(["train", "--model", "tests.plugins.failing:fails_then_term"], work)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "got SIGTERM" in proc.stderr  # it came, in the tear-down
+    assert "ddpjob: error: model factory 'tests.plugins.failing:fails_then_term' returned tuple" in proc.stderr
 
 
 # In launch (not its workers): once torchrun's agent has started both workers, and before it has

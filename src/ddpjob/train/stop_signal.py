@@ -11,6 +11,7 @@ written exits with another code (loop.py).
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -59,6 +60,8 @@ class StopSignal:
         self.pending: dist.Work | None = None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        atexit.unregister(ignore_at_exit)  # once, however many runs this process makes
+        atexit.register(ignore_at_exit)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.received:
@@ -96,9 +99,21 @@ class StopSignal:
         process of the step, and the batch script forwards TERM again) is the same request, and
         once training has finished there is nothing left to stop: it is ignored, so it cannot kill
         a worker that has checkpointed and is exiting 75, or one that finished and is exiting 0.
-        After a failure the default actions come back."""
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN if self.received or finished else signal.SIG_DFL)
+        After a failure (here, or in set-up, which never gets here) the handler stays and only
+        records it: the failure's own exit code and line must come out, while torchrun's agent,
+        once one rank has failed, stops the others with TERM (its SIGKILL after --shutdown-timeout
+        ends a failed worker that hangs). At exit every stop signal is ignored (ignore_at_exit)."""
+        if self.received or finished:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+
+
+def ignore_at_exit() -> None:
+    """Registered with atexit as the handlers are installed: CPython puts back SIG_DFL for every
+    signal it handled as the interpreter exits, after the atexit functions, so a stop signal then
+    would kill a worker that has said its exit code."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def exit_with_parent(interval: float = 1.0) -> None:
