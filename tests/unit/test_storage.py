@@ -106,8 +106,10 @@ def test_every_failure_s3fs_would_retry_is_retried_by_ddpjob_which_turns_s3fs_re
     assert storage.fsspec_storage("s3://b/x").fs.retries == 1
 
 
-@pytest.mark.parametrize(("save_timeout", "wait"), [(3, 1.0), (30, 10.0), (600, 60.0)])
-def test_the_s3_clients_waits_follow_the_save_timeout(monkeypatch, save_timeout, wait):
+@pytest.mark.parametrize(
+    ("save_timeout", "waits"), [(3, (1.0, 1.0)), (12, (4.0, 4.0)), (30, (5.0, 10.0)), (1800, (5.0, 15.0))]
+)
+def test_the_s3_clients_waits_follow_the_save_timeout(monkeypatch, save_timeout, waits):
     """A store made before the manager sets --save-timeout (a probe at start-up) gets a client whose
     connect and read waits are a share of it: 3 tries of botocore's end near the deadline."""
     pytest.importorskip("s3fs")
@@ -117,5 +119,8 @@ def test_the_s3_clients_waits_follow_the_save_timeout(monkeypatch, save_timeout,
     store = storage.fsspec_storage("s3://b/x")
     storage.set_retry_for(save_timeout)
     settings = store.fs.config_kwargs
-    assert (settings["connect_timeout"], settings["read_timeout"]) == (wait, wait) and store.retry_for == save_timeout
-    assert settings["retries"]["max_attempts"] == storage.S3_ATTEMPTS and store.fs.retries == 1
+    assert (settings["connect_timeout"], settings["read_timeout"]) == waits and store.retry_for == save_timeout
+    assert store.fs.retries == 1
+    from botocore.config import Config  # what the client gets: 3 tries in all, not 3 retries
+
+    assert Config(**settings).retries["total_max_attempts"] == storage.S3_ATTEMPTS == 3

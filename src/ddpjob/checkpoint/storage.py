@@ -465,16 +465,18 @@ def fsspec_storage(url: str) -> FsspecStorage:
 
 
 S3_PROTOCOLS = ("s3", "s3a")
-S3_ATTEMPTS = 3  # botocore's tries of one request (throttling, 5xx, a reset), with at most 1 + 2 s between
+S3_ATTEMPTS = 3  # botocore's tries of one request (throttling, 5xx, a reset), at most 1 + 2 s apart
+S3_WAITS = (5.0, 15.0)  # s3fs's own connect and read timeouts: the longest a wait gets here
 
 
 def s3_client_settings(retry_for: float) -> dict[str, Any]:
     """botocore's settings under FsspecStorage._retry, which retries for ``retry_for`` s: a few tries of
-    its own, each connect or read waiting at most a share of that (1 to 60 s, botocore's default), so
+    its own, each connect or read waiting a share of that (at least 1 s, at most s3fs's 5 and 15 s), so
     that an operation against a store that stopped answering ends near the deadline, not minutes after."""
-    wait = min(max(retry_for / S3_ATTEMPTS, 1.0), 60.0)
-    retries = {"max_attempts": S3_ATTEMPTS, "mode": "standard"}
-    return {"retries": retries, "connect_timeout": wait, "read_timeout": wait}
+    share = max(retry_for / S3_ATTEMPTS, 1.0)
+    connect, read = (min(share, longest) for longest in S3_WAITS)
+    retries = {"total_max_attempts": S3_ATTEMPTS, "mode": "standard"}
+    return {"retries": retries, "connect_timeout": connect, "read_timeout": read}
 
 
 def filesystem(protocol: str, retry_for: float) -> Any:
