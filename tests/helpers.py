@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+import starter
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 FAST = ["--epochs", "2", "--log-every", "1000"]
@@ -30,10 +32,19 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def ddpjob(args: Sequence[str], cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PY, "-m", "ddpjob", *args], cwd=cwd, env=clean_env(**env), capture_output=True, text=True, timeout=timeout
-    )
+def ddpjob(
+    args: Sequence[str], cwd: Path, timeout: float = 120, fresh: bool = False, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`python -m ddpjob ARGS`, run to its end as subprocess.run runs it. Forked from a starter that has
+    imported torch (tests/starter.py) unless ``fresh`` or its environment changes how python or torch
+    start; then exec'd."""
+    full = clean_env(**env)
+    kind = None if fresh else starter.kind_of(args, cwd, full, clean_env())
+    if kind is None:
+        return subprocess.run(
+            [PY, "-m", "ddpjob", *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
+        )
+    return starter.run(args, cwd, full, kind, clean_env(), timeout)
 
 
 def spawn(args: Sequence[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
@@ -125,13 +136,16 @@ def records(run_dir: Path) -> list[dict]:
 def samples_by_step(run_dir: Path, samples_dir: Path) -> dict[int, list[int]]:
     """Optimizer step -> the sorted sample indices it trained on, from the files of the
     tests/plugins/recording.py data and the run's 'start' records: each process belongs to the
-    newest start before its first fetch, fetches global_batch / world_size samples per step from
-    that start's step on, and counts only up to the next start's step (later work was redone)."""
+    first start after it made its data (every rank makes it before the collective that precedes
+    rank 0's start record), fetches global_batch / world_size samples per step from that start's
+    step on, and counts only up to the next start's step (later work was redone)."""
     starts = [r for r in records(run_dir) if r["event"] == "start"]
     seen: dict[int, list[int]] = {}
     for path in samples_dir.glob("*.txt"):
-        first = int(path.name.split("-")[0]) / 1e9
-        index = max(i for i, s in enumerate(starts) if s["time"] <= first + 2.0)
+        made = int(path.name.split("-")[0]) / 1e9
+        after_made = [i for i, s in enumerate(starts) if s["time"] >= made - 0.001]  # the record's rounding
+        assert after_made, f"{path.name}: its process made its data after the run's last start record"
+        index = after_made[0]
         start, after = starts[index], starts[index + 1]["step"] if index + 1 < len(starts) else None
         per_step = start["global_batch"] // start["world_size"]
         for k, line in enumerate(path.read_text().split()):

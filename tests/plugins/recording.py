@@ -2,8 +2,8 @@
 digits model, recording the first number the process's torch RNG gives in training.
 
 Each process appends the indices it reads, in order, to TEST_SAMPLES_DIR/<time_ns>-<pid>-rank<R>.txt
-(the time of its first fetch names the file), so a test can tell which samples each optimizer step
-saw. Use with --num-workers 0: the loader then fetches each micro-batch when the loop asks for it.
+(the time its data was made names the file: before its run's start record), so a test can tell which
+samples each optimizer step saw. Use with --num-workers 0: the loader then fetches each micro-batch when the loop asks for it.
 """
 
 import os
@@ -21,13 +21,14 @@ class Recording(Dataset):
     def __init__(self, base: Any, delay: float, until: str = "") -> None:
         self.base, self.delay, self.until = base, delay, until
         self.file: Any = None
+        self.made = time.time_ns()  # in set-up: every rank's before its run's "start" record
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, index: int) -> Any:
         if self.file is None:
-            name = f"{time.time_ns()}-{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt"
+            name = f"{self.made}-{os.getpid()}-rank{os.environ.get('RANK', '0')}.txt"
             self.file = open(os.path.join(os.environ["TEST_SAMPLES_DIR"], name), "a", buffering=1)  # noqa: SIM115
         self.file.write(f"{index}\n")
         if self.delay and self.until and os.path.exists(os.path.join(os.environ["TEST_SAMPLES_DIR"], self.until)):

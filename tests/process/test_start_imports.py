@@ -14,7 +14,12 @@ DCP = "torch.distributed.checkpoint"
 def imported_before_step_1(tmp_path, *flags: str) -> list[str]:
     out = tmp_path / "imports.json"
     data = f"tests.plugins.import_probe:digits(out={str(out)!r})"
-    ok(ddpjob(["train", "--run-dir", str(tmp_path), "--data", data, "--num-workers", "0", *flags], tmp_path))
+    # fresh: a fork of the starter would hold what the starter imported
+    ok(
+        ddpjob(
+            ["train", "--run-dir", str(tmp_path), "--data", data, "--num-workers", "0", *flags], tmp_path, fresh=True
+        )
+    )
     return list(json.loads(out.read_text()))
 
 

@@ -1,0 +1,317 @@
+"""A test's `python -m ddpjob ARGS` started as a fork of an interpreter that has imported torch already.
+
+Every command would otherwise import torch and torch._dynamo again: about 2 s of CPU each, and the
+process tier starts hundreds of them. So each test process keeps one starter per kind (``plain``, and
+``launch``, whose torch loaded under launch's ``TORCH_CPP_LOG_LEVEL=ERROR``: cli._launch). A keeper
+forked from it per command forks the command and waits for it; the command becomes what ``python -m
+ddpjob ARGS`` would be (its stdin, stdout and stderr, cwd, environment, argv, ``sys.path[0]``, newly
+seeded generators), runs ddpjob as ``__main__`` and ends through python's own exit: SystemExit's code,
+an error's traceback and 1, non-daemon threads joined, atexit.
+
+What stays exec'd (helpers.ddpjob): ``fresh=True``; an environment whose variables read as python or
+torch start (``STARTUP_VARIABLES``) differ from the starter's; everything started by ``spawn`` and
+``torchrun``. One limit: the commands of one test process share python's string-hash seed.
+
+Protocol, over a Unix socket: the request (a length, then pickled argv, cwd and env, with stdin,
+stdout and stderr passed as descriptors); the answer, 4 bytes: the exit code as ``Popen.returncode``
+gives it. A ``k`` from the test (its timeout) makes the keeper kill the command first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+# Variables read as the interpreter, torch or the C libraries start: a command whose value differs from
+# the starter's is exec'd, since a fork would run with the starter's.
+STARTUP_VARIABLES = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "TORCH",
+    "PYTORCH",
+    "INDUCTOR",
+    "AOT",
+    "CXX",
+    "TMPDIR",
+    "TZ",
+    "LC_",
+    "LANG",
+)
+KINDS = {  # kind -> what the starter sets before it imports torch, and what it imports
+    "plain": ({}, ("torch", "torch._dynamo", "ddpjob.cli", "ddpjob.train.loop")),
+    "launch": (
+        {"TORCH_CPP_LOG_LEVEL": "ERROR"},
+        ("torch", "torch._dynamo", "ddpjob.cli", "ddpjob.launch.agent", "ddpjob.train.loop", "torch.distributed.run"),
+    ),
+}
+CODE = struct.Struct("!i")
+SIZE = struct.Struct("!I")
+READY_S = 120.0  # for the starter to import torch, on a loaded machine
+KILLED_S = 30.0  # for the keeper to answer once it has killed the command
+
+
+def receive(conn: socket.socket, size: int) -> bytes:
+    """Exactly size bytes from conn (fewer only if it closed)."""
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def startup_view(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_VARIABLES)}
+
+
+def kind_of(args: Sequence[str], cwd: Path, env: dict[str, str], starter_env: dict[str, str]) -> str | None:
+    """The starter kind a command can be forked from, or None when it must be exec'd. ``starter_env``:
+    the environment the starters start from (helpers.clean_env()). A command that reads an env file
+    (cwd/.env, --env-file, DDPJOB_ENV_FILE) is exec'd: ddpjob exports its variables before torch loads."""
+    if (cwd / ".env").exists() or "DDPJOB_ENV_FILE" in env or any(a.startswith("--env-file") for a in args):
+        return None
+    kind = "launch" if list(args[:1]) == ["launch"] else "plain"
+    set_first = KINDS[kind][0]
+    view = {**set_first, **startup_view(env)} if kind == "launch" and "TORCH_CPP_LOG_LEVEL" not in env else env
+    return kind if startup_view(view) == startup_view({**starter_env, **set_first}) else None
+
+
+# ---- the test's side ----
+
+_STARTERS: dict[tuple[int, str, str], tuple[subprocess.Popen[bytes], str]] = {}
+_LOCK = threading.Lock()
+
+
+def _starter(kind: str, starter_env: dict[str, str]) -> str:
+    """The socket of this test process's starter of that kind and environment, started on first use
+    (a test that changed a start-up variable of its own process gets a starter of its own)."""
+    key = (os.getpid(), kind, repr(sorted(startup_view(starter_env).items())))
+    with _LOCK:
+        found = _STARTERS.get(key)
+        if found is not None and found[0].poll() is None:
+            return found[1]
+        path = os.path.join(tempfile.mkdtemp(prefix="ddpjob-starter-"), "socket")
+        proc = subprocess.Popen(
+            [sys.executable, __file__, path, kind, str(os.getpid())],
+            env={**starter_env, **KINDS[kind][0]},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        ready = selector.select(READY_S) and proc.stdout.read(1) == b"1"
+        selector.close()
+        if not ready:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the {kind} starter did not start within {READY_S:g} s (exit {proc.poll()})")
+        if not _STARTERS:
+            atexit.register(_stop_starters, os.getpid())
+        _STARTERS[key] = (proc, path)
+        return path
+
+
+def _stop_starters(owner: int) -> None:
+    if os.getpid() != owner:  # a fork of the test process exits: the starters are not its own
+        return
+    for (pid, _, _), (proc, path) in list(_STARTERS.items()):
+        if pid == owner:
+            proc.kill()
+            proc.wait()
+            Path(path).unlink(missing_ok=True)
+            Path(path).parent.rmdir()
+
+
+def run(
+    args: Sequence[str], cwd: Path, env: dict[str, str], kind: str, starter_env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """As ``subprocess.run([python, -m, ddpjob, *args], cwd=cwd, env=env, capture_output=True,
+    text=True, timeout=timeout)``, the command forked from a starter of ``kind``."""
+    import time
+
+    path = _starter(kind, starter_env)
+    cmd = [sys.executable, "-m", "ddpjob", *args]
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        request = pickle.dumps((list(args), str(cwd), dict(env)))
+        socket.send_fds(conn, [SIZE.pack(len(request)) + request], [0, out_w, err_w])
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    deadline = time.monotonic() + timeout
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    selector = selectors.DefaultSelector()
+    for fd in chunks:
+        selector.register(fd, selectors.EVENT_READ)
+    try:
+        while selector.get_map():  # both pipes to their end, as communicate() reads them
+            left = deadline - time.monotonic()
+            events = selector.select(max(left, 0)) if left > 0 else []
+            if not events:
+                _kill(conn)
+                raise subprocess.TimeoutExpired(cmd, timeout, *_output(chunks[out_r], chunks[err_r]))
+            for key, _ in events:
+                data = os.read(key.fd, 65536)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    selector.unregister(key.fd)
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))  # the command's end, as wait(timeout) waits
+        try:
+            answer = receive(conn, CODE.size)
+        except TimeoutError:
+            _kill(conn)
+            raise subprocess.TimeoutExpired(cmd, timeout) from None  # as wait() raises it: no output
+    finally:
+        selector.close()
+        conn.close()
+        os.close(out_r)
+        os.close(err_r)
+    if len(answer) != CODE.size:
+        raise RuntimeError(f"the {kind} starter's keeper ended without the command's exit code")
+    out, err = (_text(b"".join(chunks[fd])) for fd in (out_r, err_r))
+    return subprocess.CompletedProcess(cmd, CODE.unpack(answer)[0], out, err)
+
+
+def _kill(conn: socket.socket) -> None:
+    """The keeper kills the command, as run() does on a timeout, and answers once it is gone (an
+    OSError: the command had ended, and its keeper with it)."""
+    with contextlib.suppress(OSError):
+        conn.settimeout(KILLED_S)
+        conn.sendall(b"k")
+        receive(conn, CODE.size)
+
+
+def _output(*streams: list[bytes]) -> list[bytes | None]:
+    """What TimeoutExpired holds of each stream, as communicate() leaves it: bytes, or None if nothing came."""
+    return [b"".join(chunks) if chunks else None for chunks in streams]
+
+
+def _text(data: bytes) -> str:
+    """As subprocess.run's text=True decodes: the locale's encoding, strict, universal newlines."""
+    import locale
+
+    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+
+
+# ---- the starter's side ----
+
+
+def _serve(path: str, parent: int) -> tuple[list[str], str, dict[str, str], list[int]]:
+    """Accept requests, a keeper forked for each, until the test process is gone. Returns only in a
+    command's process: its request and descriptors."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    os.write(1, b"1")
+    while True:
+        ready = selectors.DefaultSelector()
+        ready.register(listener, selectors.EVENT_READ)
+        events = ready.select(1.0)
+        ready.close()
+        if os.getppid() != parent:
+            os._exit(0)
+        while True:  # the keepers that ended
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        if not events:
+            continue
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            return _keep(conn)
+        conn.close()
+
+
+def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int]]:
+    """The keeper: fork the command, kill it if the test asks, answer its exit code, then exit.
+    Returns only in the command's process."""
+    message, fds, _, _ = socket.recv_fds(conn, SIZE.size + (1 << 20), 3)
+    if len(message) < SIZE.size:
+        message += receive(conn, SIZE.size - len(message))
+    size = SIZE.unpack(message[: SIZE.size])[0]
+    body = message[SIZE.size :]
+    if len(body) < size:
+        body += receive(conn, size - len(body))
+    args, cwd, env = pickle.loads(body)
+    from ddpjob.launch import worker_fork  # imported by the starter already
+
+    worker_fork._flush_all()  # python's and C's buffers: else every command would write them again
+    pid = os.fork()
+    if pid == 0:
+        conn.detach()  # its descriptor becomes /dev/null with the rest (_become_the_command)
+        return args, cwd, env, fds
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    selector = selectors.DefaultSelector()
+    selector.register(pidfd, selectors.EVENT_READ)
+    selector.register(conn, selectors.EVENT_READ)
+    ended = False
+    while not ended:
+        for key, _ in selector.select():
+            if key.fd == pidfd:
+                ended = True
+            elif conn.recv(1) in (b"k", b""):  # the test's timeout, or the test gone
+                os.kill(pid, signal.SIGKILL)
+                selector.unregister(conn)
+    _, status = os.waitpid(pid, 0)
+    try:
+        conn.sendall(CODE.pack(os.waitstatus_to_exitcode(status)))
+    finally:
+        os._exit(0)
+
+
+def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> None:
+    """In the command's process: what ``python -m ddpjob ARGS`` would be, then ddpjob run as __main__."""
+    import runpy
+
+    from ddpjob.launch import worker_fork  # imported by the starter already
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    worker_fork._quiet_launchs_descriptors()  # the starter's socket and pipes: /dev/null, numbers kept
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["-m", *args]  # runpy puts the module's file first, as -m does
+    sys.path[0] = os.getcwd()  # as -m sets it (this file's folder, as a script, until now)
+    worker_fork._seed_like_a_new_process()
+    runpy.run_module("ddpjob", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _path, _kind, _parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    import importlib
+
+    for _name in (*KINDS[_kind][1], "ddpjob.launch.worker_fork"):
+        importlib.import_module(_name)
+
+    assert os.listdir("/proc/self/task") == [str(os.getpid())]  # a fork keeps no other thread
+    _become_the_command(*_serve(_path, _parent))
