@@ -48,10 +48,15 @@ STARTUP_VARIABLES = (
     "INDUCTOR",
     "AOT",
     "CXX",
-    "TMPDIR",
+    "TMP",
+    "TEMP",
     "TZ",
     "LC_",
     "LANG",
+    "GOMP_",
+    "MALLOC_",
+    "GLIBC_TUNABLES",
+    "CUDA_",
 )
 KINDS = {  # kind -> what the starter sets before it imports torch, and what it imports
     "plain": ({}, ("torch", "torch._dynamo", "ddpjob.cli", "ddpjob.train.loop")),
@@ -141,7 +146,7 @@ def _stop_starters(owner: int) -> None:
 
 
 def run(
-    args: Sequence[str], cwd: Path, env: dict[str, str], kind: str, starter_env: dict[str, str], timeout: float
+    args: Sequence[str], cwd: Path, env: dict[str, str], kind: str, starter_env: dict[str, str], timeout: float | None
 ) -> subprocess.CompletedProcess[str]:
     """As ``subprocess.run([python, -m, ddpjob, *args], cwd=cwd, env=env, capture_output=True,
     text=True, timeout=timeout)``, the command forked from a starter of ``kind``."""
@@ -159,7 +164,7 @@ def run(
     finally:
         os.close(out_w)
         os.close(err_w)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
     selector = selectors.DefaultSelector()
     for fd in chunks:
@@ -224,7 +229,13 @@ def _serve(path: str, parent: int) -> tuple[list[str], str, dict[str, str], list
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
+    from ddpjob.launch import worker_fork  # imported by the starter already
+
+    worker_fork._flush_all()  # nothing buffered for every keeper to write again
     os.write(1, b"1")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # the test reads only the "1": nothing may fill that pipe later
+    os.close(null)
     while True:
         ready = selectors.DefaultSelector()
         ready.register(listener, selectors.EVENT_READ)

@@ -38,10 +38,11 @@ def _state() -> dict[str, Any]:
     import torch
 
     main = sys.modules["__main__"]
+    _test = int(os.environ["TEST_PID"])
     handlers = {}
     for sig in sorted(signal.valid_signals()):
         handler = signal.getsignal(sig)
-        handlers[str(sig)] = getattr(handler, "__name__", str(handler))
+        handlers[str(sig)] = signal.Handlers(handler).name if isinstance(handler, int) else handler.__name__
     open_fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
     return {
         "argv": sys.argv,
@@ -60,21 +61,22 @@ def _state() -> dict[str, Any]:
         "streams": [[s.line_buffering, s.write_through, s.encoding, s.errors] for s in (sys.stdout, sys.stderr)],
         "threads": [threading.active_count(), len(os.listdir("/proc/self/task"))],
         "torch_threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
-        "session": [os.getsid(0) == os.getsid(os.getppid()), os.getpgrp() == os.getpgid(os.getppid())],
+        "session": [os.getsid(0) == os.getsid(_test), os.getpgrp() == os.getpgid(_test)],  # the test's
         "umask": os.umask(0o22),
         "flags": list(sys.flags),
         "warnoptions": sys.warnoptions,
         "draws": _DRAWS,  # as this module was imported, before ddpjob seeds anything
         "hash": hash("ddpjob"),
-        "forked": any(arg.endswith("starter.py") for arg in sys.orig_argv),  # python's own argv: the starter's
+        "forked": forked(),
     }
 
 
-def state(out: str) -> nn.Module:
-    """Writes this process's state to ``out`` (JSON) and returns the digits model."""
+def state(out: str) -> Any:
+    """A data factory (called before ddpjob handles any signal) that writes this process's state to
+    ``out`` (JSON); the digits data."""
     with open(out, "w") as f:
         json.dump(_state(), f)
-    return plugins.digits_mlp()
+    return plugins.digits()
 
 
 def _late_thread() -> None:
@@ -82,43 +84,49 @@ def _late_thread() -> None:
     print("thread ended", flush=True)
 
 
-ENDINGS = {  # how -> what the factory does
-    "exit 3": lambda: sys.exit(3),
-    "os._exit 4": lambda: os._exit(4),
-    "SIGTERM": lambda: os.kill(os.getpid(), signal.SIGTERM),
-    "SIGKILL": lambda: os.kill(os.getpid(), signal.SIGKILL),
-    "abort": os.abort,
-    "KeyboardInterrupt": lambda: os.kill(os.getpid(), signal.SIGINT),
-    "thread and atexit": lambda: (
-        atexit.register(print, "atexit ran"),
-        threading.Thread(target=_late_thread).start(),
-        sys.exit(0),
+ENDINGS = {  # how -> (what the factory does, the exit code python gives it)
+    "exit_3": (lambda: sys.exit(3), None),  # ddpjob's own handling of it: the same either way
+    "os_exit_4": (lambda: os._exit(4), 4),
+    "SIGTERM": (lambda: os.kill(os.getpid(), signal.SIGTERM), -signal.SIGTERM),
+    "SIGKILL": (lambda: os.kill(os.getpid(), signal.SIGKILL), -signal.SIGKILL),
+    "abort": (os.abort, -signal.SIGABRT),
+    "KeyboardInterrupt": (lambda: os.kill(os.getpid(), signal.SIGINT), None),
+    "thread_and_atexit": (
+        lambda: (atexit.register(print, "atexit ran"), threading.Thread(target=_late_thread).start(), sys.exit(0)),
+        None,
     ),
 }
 
 
+def forked() -> bool:
+    """Whether this process was forked from tests/starter.py (python's own argv is the starter's)."""
+    return any(arg.endswith("starter.py") for arg in sys.orig_argv)
+
+
 def ending(how: str) -> Any:
     """A data factory (called before ddpjob handles any signal) that ends this process as ``how``
-    says (ENDINGS)."""
+    says (ENDINGS); it says first whether it was forked, on stderr."""
     print(f"ending: {how}", flush=True)
-    ENDINGS[how.replace("_", " ")]()
+    print(f"forked: {forked()}", file=sys.stderr, flush=True)
+    ENDINGS[how][0]()
     time.sleep(5)  # a signal's default action ends it here
     raise AssertionError(f"{how} did not end the process")
 
 
 def sleeper(pid_file: str, seconds: float = 120.0) -> nn.Module:
-    """Writes its pid, then sleeps."""
+    """Writes its pid and whether it was forked, then sleeps."""
     with open(pid_file, "w") as f:
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {forked()}")
     time.sleep(seconds)
     return plugins.digits_mlp()
 
 
 def pipe_holder(pid_file: str) -> nn.Module:
-    """Starts a child that keeps stdout and stderr open for 60 s, writes its pid, then fails at once."""
+    """Starts a child that keeps stdout and stderr open for 60 s, writes its pid and whether this
+    process was forked, then fails at once."""
     import subprocess
 
     child = subprocess.Popen(["sleep", "60"])
     with open(pid_file, "w") as f:
-        f.write(str(child.pid))
+        f.write(f"{child.pid} {forked()}")
     sys.exit(5)

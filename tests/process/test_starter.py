@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from tests.plugins.starter_probe import ENDINGS
@@ -19,29 +21,42 @@ from helpers import alive, clean_env, ddpjob
 pytestmark = pytest.mark.slow
 
 
+TEST = {"TEST_PID": str(os.getpid())}  # the probe compares its session and process group with the test's
+
+
 def both(args: list[str], work, **env: str) -> dict[bool, subprocess.CompletedProcess[str]]:
     """The command exec'd (True) and forked from the starter (False), each in a folder of its own."""
     runs = {}
     for fresh in (True, False):
         cwd = work / ("exec" if fresh else "fork")
         cwd.mkdir()
-        runs[fresh] = ddpjob([arg.format(cwd=cwd) for arg in args], cwd, fresh=fresh, **env)
+        runs[fresh] = ddpjob([arg.format(cwd=cwd) for arg in args], cwd, fresh=fresh, **TEST, **env)
     return runs
 
 
+def state_of(cwd: Path, **env: str) -> dict:
+    """The state the probe recorded as a one-step run's data was made, run in cwd."""
+    out = cwd / "state.json"
+    data = f"tests.plugins.starter_probe:state(out={str(out)!r})"
+    proc = ddpjob(["train", "--max-steps", "1", "--save-every", "0", "--data", data], cwd, **TEST, **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_a_forked_command_starts_as_an_exec_d_one_would(work):
-    """argv, __main__, sys.path, cwd, environment, signal handlers, mask and wakeup fd, descriptors,
-    streams, threads (python's, the OS's, torch's), session, umask, flags: the same; random draws not."""
-    runs = both(
-        ["train", "--max-steps", "1", "--model", "tests.plugins.starter_probe:state(out='{cwd}/state.json')"], work
-    )
+    """argv, __main__, sys.path, cwd, environment, signal handlers (before ddpjob's), mask and wakeup
+    fd, descriptors, streams, threads (python's, the OS's, torch's), session and process group (the
+    test's), umask, flags: the same; random draws not."""
+    data = "tests.plugins.starter_probe:state(out='{cwd}/state.json')"
+    runs = both(["train", "--max-steps", "1", "--save-every", "0", "--data", data], work)
     for fresh, proc in runs.items():
         assert proc.returncode == 0, (fresh, proc.stderr[-3000:])
     execd, forked = (  # where each ran, its own folder, named "cwd"
         json.loads((work / how / "state.json").read_text().replace(str(work / how), "cwd")) for how in ("exec", "fork")
     )
-    assert execd["cwd"] == "cwd" and execd["path"][0] == "cwd"
+    assert execd["cwd"] == "cwd" and execd["path"][0] == "cwd" and execd["session"] == [True, True]
     assert execd["main"] == ["ddpjob.__main__", "__main__.py"] and execd["stdio"][1:] == ["pipe", "pipe"]
+    assert execd["handlers"][str(int(signal.SIGTERM))] == "SIG_DFL"  # before ddpjob's own
     assert forked.pop("forked") and not execd.pop("forked")  # each ran as it says
     draws = execd.pop("draws"), forked.pop("draws")
     execd.pop("hash"), forked.pop("hash")  # a fork hashes with its starter's seed (tests/starter.py)
@@ -50,29 +65,30 @@ def test_a_forked_command_starts_as_an_exec_d_one_would(work):
         assert forked[key] == execd[key], key
 
 
-@pytest.mark.parametrize("how", [name.replace(" ", "_") for name in ENDINGS])
+@pytest.mark.parametrize("how", ENDINGS)
 def test_a_forked_command_ends_as_an_exec_d_one_would(work, how):
     runs = both(["train", "--data", f"tests.plugins.starter_probe:ending(how={how!r})"], work)
     execd, forked = runs[True], runs[False]
     assert f"ending: {how}" in execd.stdout, execd.stderr[-3000:]  # it ran, and ended as it says
+    assert "forked: True" in forked.stderr and "forked: False" in execd.stderr
+    code = ENDINGS[how][1]
+    assert code is None or execd.returncode == code, (execd.returncode, execd.stderr[-3000:])
     assert forked.returncode == execd.returncode, (forked.returncode, execd.returncode, forked.stderr[-3000:])
     assert forked.stdout == execd.stdout
-    last = [proc.stderr.strip().splitlines()[-1:] for proc in (execd, forked)]
+    last = [
+        [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("forked: ")][-1:] for proc in runs.values()
+    ]
     assert last[0] == last[1], last
 
 
 def test_a_second_draw_in_one_test_differs_too(work):
     """Two forked commands of one test process are seeded anew each (not the starter's state)."""
-    draws = []
+    states = []
     for n in range(2):
         (work / str(n)).mkdir()
-        out = work / str(n) / "state.json"
-        ddpjob(
-            ["train", "--max-steps", "1", "--model", f"tests.plugins.starter_probe:state(out={str(out)!r})"],
-            work / str(n),
-        )
-        draws.append(json.loads(out.read_text())["draws"])
-    assert all(a != b for a, b in zip(*draws, strict=True)), draws
+        states.append(state_of(work / str(n)))
+    assert states[0]["forked"] and states[1]["forked"]
+    assert all(a != b for a, b in zip(states[0]["draws"], states[1]["draws"], strict=True)), states
 
 
 def test_a_command_past_its_timeout_is_killed_and_raises_timeout_expired_as_subprocess_run_does(work):
@@ -84,11 +100,12 @@ def test_a_command_past_its_timeout_is_killed_and_raises_timeout_expired_as_subp
         ddpjob(["train", "--model", model], work, timeout=10)
     assert time.monotonic() - started < 10 + 10
     assert isinstance(expired.value.stdout, bytes)  # as communicate() leaves it, text or not
-    pid = int(pid_file.read_text())
+    pid, forked = pid_file.read_text().split()
+    assert forked == "True"
     deadline = time.monotonic() + 10
-    while alive(pid) and time.monotonic() < deadline:
+    while alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(pid), "the command outlived its timeout"
+    assert not alive(int(pid)), "the command outlived its timeout"
 
 
 @pytest.mark.parametrize("fresh", [True, False], ids=["exec", "fork"])
@@ -102,7 +119,8 @@ def test_a_child_left_holding_the_commands_output_makes_it_time_out_as_with_subp
             ddpjob(["train", "--model", model], work, timeout=8, fresh=fresh)
     finally:
         if pid_file.exists():
-            os.kill(int(pid_file.read_text()), 9)
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+    assert pid_file.read_text().split()[1] == str(not fresh)
 
 
 def test_a_start_up_variable_of_its_own_makes_a_command_exec_d(tmp_path):
@@ -112,13 +130,9 @@ def test_a_start_up_variable_of_its_own_makes_a_command_exec_d(tmp_path):
     assert starter.kind_of(["train"], tmp_path, base, base) == "plain"
     assert starter.kind_of(["launch", "--nproc-per-node", "2"], tmp_path, base, base) == "launch"
     assert starter.kind_of(["train"], tmp_path, {**base, "AWS_ENDPOINT_URL": "http://x"}, base) == "plain"
-    for name, value in [
-        ("PYTHONHASHSEED", "0"),
-        ("OMP_NUM_THREADS", "2"),
-        ("TORCH_CPP_LOG_LEVEL", "INFO"),
-        ("TZ", "UTC"),
-    ]:
-        assert starter.kind_of(["train"], tmp_path, {**base, name: value}, base) is None, name
+    for name in ("PYTHONHASHSEED", "OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "TZ", "TMP", "GOMP_SPINCOUNT"):
+        changed = {**base, name: base.get(name, "") + "1"}
+        assert starter.kind_of(["train"], tmp_path, changed, base) is None, name
     assert starter.kind_of(["launch"], tmp_path, {**base, "TORCH_CPP_LOG_LEVEL": "INFO"}, base) is None
     assert starter.kind_of(["launch"], tmp_path, {**base, "TORCH_CPP_LOG_LEVEL": "ERROR"}, base) == "launch"
     assert starter.kind_of(["train", "--env-file", "x.env"], tmp_path, base, base) is None
@@ -132,19 +146,20 @@ def test_a_hash_seed_of_its_own_is_the_commands(work):
     would hash with the starter's: the one limit of forked commands, which tests/starter.py names)."""
     env = clean_env(PYTHONHASHSEED="7")
     python = subprocess.run([sys.executable, "-c", "print(hash('ddpjob'))"], env=env, capture_output=True, text=True)
-    out = work / "state.json"
-    model = f"tests.plugins.starter_probe:state(out={str(out)!r})"
-    proc = ddpjob(["train", "--max-steps", "1", "--model", model], work, PYTHONHASHSEED="7")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(out.read_text())["hash"] == int(python.stdout)
+    assert state_of(work, PYTHONHASHSEED="7")["hash"] == int(python.stdout)
 
 
 def test_a_launch_is_forked_from_the_starter_whose_torch_loaded_under_launchs_log_level(work):
     """launch sets TORCH_CPP_LOG_LEVEL=ERROR only while torch loads (cli._launch): its own starter
     holds that, and the command, like launch's workers, has the environment without it."""
     out = work / "state.json"
-    model = f"tests.plugins.starter_probe:state(out={str(out)!r})"
-    proc = ddpjob(["launch", "--nproc-per-node", "1", "--max-steps", "1", "--model", model], work)
+    data = f"tests.plugins.starter_probe:state(out={str(out)!r})"
+    proc = ddpjob(["launch", "--nproc-per-node", "1", "--max-steps", "1", "--data", data], work, **TEST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads(out.read_text())
     assert state["forked"] and "TORCH_CPP_LOG_LEVEL" not in state["environ"]
+    (launch_starter,) = [
+        p for (pid, kind, _), (p, _) in starter._STARTERS.items() if (pid, kind) == (os.getpid(), "launch")
+    ]
+    environ = Path(f"/proc/{launch_starter.pid}/environ").read_bytes().split(b"\0")
+    assert b"TORCH_CPP_LOG_LEVEL=ERROR" in environ
