@@ -163,6 +163,35 @@ def test_workers_that_stopped_with_a_checkpoint_spend_no_restart(work, nodes, co
     assert (work / "starts.log").read_text().split() == starts
 
 
+# A stop signal to launch once torchrun has returned, as the restart policy's patch is taken back
+# (the rendezvous watch ends there too): what the workers did decides the exit code, not the signal.
+SIGNAL_AS_THE_POLICY_ENDS = """
+import contextlib, os, signal
+from ddpjob.launch import agent
+policy = agent.restart_policy
+
+@contextlib.contextmanager
+def signalled_as_it_ends(elastic):
+    try:
+        with policy(elastic):
+            yield
+    finally:  # also as torchrun's ChildFailedError passes
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, at the next bytecode
+
+agent.restart_policy = signalled_as_it_ends
+"""
+
+
+@pytest.mark.parametrize(("worker_code", "line"), [(0, "exit 0: finished"), (3, "exit 3: worker rank 0 exited with 3")])
+def test_a_stop_signal_after_torchrun_returned_leaves_the_workers_exit_code(work, worker_code, line):
+    (work / "agent.py").write_text(SIGNAL_AS_THE_POLICY_ENDS + AGENT)
+    (work / "worker.py").write_text(f"import sys\nsys.exit({worker_code})\n")
+    proc = subprocess.run(
+        [sys.executable, "agent.py", "1", ""], cwd=work, env=clean_env(), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == worker_code and line in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def worker_errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("[node 0 rank ") and "ddpjob: error:" in line]
 

@@ -654,7 +654,10 @@ def run_torchrun(cmd: list[str], plan: Plan, cfg: config.Config, training: bool 
             restart_policy(plan.elastic),
             watch if plan.endpoint else contextlib.nullcontext(),
         ):
-            torchrun.run(torchrun.parse_args(cmd))
+            try:
+                torchrun.run(torchrun.parse_args(cmd))
+            finally:  # the outcome is the workers' now: a signal as the watch and the policy end is counted
+                stops.done = True
     except ChildFailedError as exc:
         rank, failure = reported_failure(exc)
         code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
