@@ -21,6 +21,8 @@ from helpers import (
     clean_env,
     ddpjob,
     final_params,
+    in_every_worker,
+    injected_ranks,
     ok,
     plain_env_ranks,
     records,
@@ -370,6 +372,36 @@ def test_metrics_and_attempts_append_across_restarts(work):
     assert [a["event"] for a in attempts] == ["start", "end", "start", "end"]
     assert all(a["exit_code"] == 0 and a["reason"] == "finished" for a in attempts if a["event"] == "end")
     assert [r["event"] for r in records(work / "runs/ddpjob")].count("start") == 2
+
+
+# At destroy_process_group in each worker: whether a DDP module is still alive (a reference from the
+# failure's traceback); its reducer freed after the group is gone can abort the process at exit.
+DDP_AT_DESTROY = """
+import os
+if "LOCAL_RANK" in os.environ:
+    import gc
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    destroy = dist.destroy_process_group
+
+    def noting_live_ddp(*args, **kwargs):
+        alive = any(isinstance(o, DDP) for o in gc.get_objects())
+        with open(os.path.join(os.environ["DDP_NOTES"], os.environ["RANK"]), "w") as f:
+            f.write(str(alive))
+        return destroy(*args, **kwargs)
+
+    dist.destroy_process_group = noting_live_ddp
+"""
+
+
+def test_a_failed_loop_frees_its_ddp_model_before_the_process_group_is_destroyed(work, tmp_path_factory):
+    site, notes = tmp_path_factory.mktemp("site"), tmp_path_factory.mktemp("notes")
+    env = {**in_every_worker(site, DDP_AT_DESTROY), "DDP_NOTES": str(notes)}
+    loss = "tests.plugins.anyjob:failing_loss(at=3)"
+    proc = ddpjob(["launch", "--nproc-per-node", "2", "--max-steps", "5", "--loss", loss], work, **env)
+    assert proc.returncode == 1 and injected_ranks(site) == ["0", "1"], proc.stderr[-3000:]
+    assert {p.name: p.read_text() for p in notes.iterdir()} == {"0": "False", "1": "False"}
 
 
 @pytest.mark.parametrize("save_mode", ["sync", "async"])

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import hashlib
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -38,8 +39,13 @@ from ddpjob.train.stop_signal import signal_name
 def run(cfg: Config, env: DistEnv) -> int:
     """One worker of ``ddpjob train``: its exit code (0, or EXIT_PREEMPTED after a stop's checkpoint)."""
     with setup.job(cfg, env) as job:
-        exit_code = train(job)
-        del job  # garbage before the tear-down's gc.collect: DDP's reducer must not outlive the process group
+        try:
+            exit_code = train(job)
+        except BaseException as exc:  # the loop's frames in its traceback hold the Job too: their locals go
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        finally:
+            del job  # garbage before the tear-down's gc.collect: DDP's reducer must not outlive the process group
     return exit_code
 
 
