@@ -51,18 +51,3 @@ def fails_then_term():  # type: ignore[no-untyped-def]
     cycle.me = cycle  # type: ignore[attr-defined]
     del cycle
     return (nn.Linear(2, 2),)
-
-
-class _HangWhenCollected:
-    def __del__(self) -> None:
-        Path(os.environ["CALLED"]).touch()
-        time.sleep(120)  # a tear-down that does not end (a peer's collective, a store)
-
-
-def fails_then_hangs():  # type: ignore[no-untyped-def]
-    """Returns no nn.Module; set-up's tear-down then hangs, in setup.job's own gc.collect()."""
-    gc.disable()
-    cycle = _HangWhenCollected()
-    cycle.me = cycle  # type: ignore[attr-defined]
-    del cycle
-    return (nn.Linear(2, 2),)

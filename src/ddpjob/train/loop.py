@@ -88,10 +88,12 @@ def train(job: Job) -> int:
         exit_code = checkpoint_and_close(job, failure=exc)
         raise
     finally:
-        stop.settle(finished=exit_code == EXIT_OK)  # first: the metrics' close may raise
-        gc.unfreeze()
-        with job.phases.enter("eval"):  # the tracker's last records may take --tracker-timeout
-            job.metrics.close(step=progress.step, exit_code=exit_code)
+        try:
+            with job.phases.enter("eval"):  # the tracker's last records may take --tracker-timeout
+                job.metrics.close(step=progress.step, exit_code=exit_code)
+        finally:  # also when the close raises
+            stop.settle(finished=exit_code == EXIT_OK)
+            gc.unfreeze()
 
 
 def accumulate(job: Job, batch: Any, sync: bool) -> None:

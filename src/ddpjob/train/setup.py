@@ -157,8 +157,6 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
     watchdog = start_watchdog(worker.phases, worker.tracer, cfg.heartbeat, cfg.trace_after)
     job: Job | None = None  # dropped before the collection below: it must free DDP's reducer (loop.run)
     loader = None  # the training data's loader, once built: its workers end before that collection too
-    stop: StopSignal | None = None
-    ended = False  # the run returned (finished or stopped), not failed
     try:  # from here every exit stops the watchdog (a failed start-up too: it would end the process)
         if cfg.strategy in DISTRIBUTED:
             if device.type == "cuda":
@@ -168,11 +166,9 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
         # From here a stop signal is kept, not fatal: loading a checkpoint (waiting for the dir's lock,
         # for shared storage, verifying) can take minutes, and a stop then still ends in a checkpoint.
         # (Before, a blocking rendezvous would hold a handled signal until it returned.)
-        stop = StopSignal(cfg.stop_check_every, device)
-        job = assemble(worker, stop, joined)
+        job = assemble(worker, StopSignal(cfg.stop_check_every, device), joined)
         loader = job.feed.loader
         yield job
-        ended = True
     except RuntimeError as exc:
         if UNUSED_PARAMETERS in str(exc):
             raise UsageError(
@@ -188,8 +184,6 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
             ) from None
         raise
     finally:
-        if stop is not None and not ended:
-            stop.settle(finished=False)  # set-up or the loop failed (StopSignal.settle)
         watchdog.set()
         job = None
         if loader is not None:

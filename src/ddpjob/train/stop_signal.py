@@ -52,14 +52,10 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name if signum else "a stop signal"
 
 
-FAILED_GRACE_S = 10.0  # after a failure, how long a stop signal leaves the failure to end the process itself
-
-
 class StopSignal:
     def __init__(self, check_every: int, device: torch.device) -> None:
         self.check_every = check_every
         self.received = 0
-        self.failed = False  # the run failed (settle): a stop signal now ends the process, after a grace
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self.pending: dist.Work | None = None
         for sig in STOP_SIGNALS:
@@ -68,13 +64,8 @@ class StopSignal:
         atexit.register(ignore_at_exit)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if self.failed:  # the failure's code and line first, if its tear-down ends within the grace
-            if not self.received:
-                log.failure(f"got {name} after a failure: exiting within {FAILED_GRACE_S:g} s")
-                threading.Thread(target=_exit_after, args=(signum,), name="ddpjob-failed-stop", daemon=True).start()
-        elif not self.received:
-            log.failure(f"got {name}: stopping at the next agreed step")
+        if not self.received:
+            log.failure(f"got {signal.Signals(signum).name}: stopping at the next agreed step")
         self.received = signum
 
     def agreed(self, step: int) -> bool:
@@ -108,21 +99,12 @@ class StopSignal:
         process of the step, and the batch script forwards TERM again) is the same request, and
         once training has finished there is nothing left to stop: it is ignored, so it cannot kill
         a worker that has checkpointed and is exiting 75, or one that finished and is exiting 0.
-        After a failure (in the loop, or in set-up: setup.job) the handler stays: the failure's own
-        exit code and line should come out, while torchrun's agent, once one rank has failed, stops
-        the others with TERM; a tear-down still running FAILED_GRACE_S after the signal (a hung
-        collective, a store that does not answer) ends by the signal's code. At exit every stop
+        After a failure in the loop the default actions come back: a failed worker stops at once
+        (a hang in its tear-down cannot hold it). A set-up that fails never gets here: a signal in
+        its tear-down is only recorded, and its error line and code come out. At exit every stop
         signal is ignored (ignore_at_exit)."""
-        if self.received or finished:
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-        else:
-            self.failed = True
-
-
-def _exit_after(signum: int) -> None:
-    time.sleep(FAILED_GRACE_S)
-    os._exit(128 + signum)  # as the signal's default action would have, had the tear-down not ended
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if self.received or finished else signal.SIG_DFL)
 
 
 def ignore_at_exit() -> None:
