@@ -104,10 +104,15 @@ _STARTERS: dict[tuple[int, str, str], tuple[subprocess.Popen[bytes], str]] = {}
 _LOCK = threading.Lock()
 
 
+def starter_key(kind: str, starter_env: dict[str, str]) -> tuple[int, str, str]:
+    """This test process's starter of that kind for that environment's start-up variables."""
+    return os.getpid(), kind, repr(sorted(startup_view(starter_env).items()))
+
+
 def _starter(kind: str, starter_env: dict[str, str]) -> str:
     """The socket of this test process's starter of that kind and environment, started on first use
     (a test that changed a start-up variable of its own process gets a starter of its own)."""
-    key = (os.getpid(), kind, repr(sorted(startup_view(starter_env).items())))
+    key = starter_key(kind, starter_env)
     with _LOCK:
         found = _STARTERS.get(key)
         if found is not None and found[0].poll() is None:

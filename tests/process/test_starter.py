@@ -158,8 +158,6 @@ def test_a_launch_is_forked_from_the_starter_whose_torch_loaded_under_launchs_lo
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads(out.read_text())
     assert state["forked"] and "TORCH_CPP_LOG_LEVEL" not in state["environ"]
-    (launch_starter,) = [
-        p for (pid, kind, _), (p, _) in starter._STARTERS.items() if (pid, kind) == (os.getpid(), "launch")
-    ]
+    launch_starter = starter._STARTERS[starter.starter_key("launch", clean_env())][0]
     environ = Path(f"/proc/{launch_starter.pid}/environ").read_bytes().split(b"\0")
     assert b"TORCH_CPP_LOG_LEVEL=ERROR" in environ
