@@ -401,7 +401,9 @@ def test_a_failed_loop_frees_its_ddp_model_before_the_process_group_is_destroyed
     loss = "tests.plugins.anyjob:failing_loss(at=3)"
     proc = ddpjob(["launch", "--nproc-per-node", "2", "--max-steps", "5", "--loss", loss], work, **env)
     assert proc.returncode == 1 and injected_ranks(site) == ["0", "1"], proc.stderr[-3000:]
-    assert {p.name: p.read_text() for p in notes.iterdir()} == {"0": "False", "1": "False"}
+    # the rank that exits first tore down; the agent may then stop the other before its destroy
+    noted = {p.name: p.read_text() for p in notes.iterdir()}
+    assert noted and set(noted.values()) == {"False"}, noted
 
 
 @pytest.mark.parametrize("save_mode", ["sync", "async"])
