@@ -116,11 +116,11 @@ def test_a_child_left_holding_the_commands_output_makes_it_time_out_as_with_subp
     model = f"tests.plugins.starter_probe:pipe_holder(pid_file={str(pid_file)!r})"
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            ddpjob(["train", "--model", model], work, timeout=8, fresh=fresh)
+            ddpjob(["train", "--model", model], work, timeout=20, fresh=fresh)
     finally:
         if pid_file.exists():
             os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
-    assert pid_file.read_text().split()[1] == str(not fresh)
+    assert pid_file.read_text().split()[1] == str(not fresh)  # it got as far as its child within the timeout
 
 
 def test_a_start_up_variable_of_its_own_makes_a_command_exec_d(tmp_path):
