@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import os
 import pickle
+import select
 import selectors
 import signal
 import socket
@@ -31,8 +32,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from ddpjob.launch import worker_fork
 
 # Variables read as the interpreter, torch or the C libraries start: a command whose value differs from
 # the starter's is exec'd, since a fork would run with the starter's.
@@ -155,8 +159,6 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """As ``subprocess.run([python, -m, ddpjob, *args], cwd=cwd, env=env, capture_output=True,
     text=True, timeout=timeout)``, the command forked from a starter of ``kind``."""
-    import time
-
     path = _starter(kind, starter_env)
     cmd = [sys.executable, "-m", "ddpjob", *args]
     out_r, out_w = os.pipe()
@@ -234,18 +236,13 @@ def _serve(path: str, parent: int) -> tuple[list[str], str, dict[str, str], list
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
-    from ddpjob.launch import worker_fork  # imported by the starter already
-
     worker_fork._flush_all()  # nothing buffered for every keeper to write again
     os.write(1, b"1")
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # the test reads only the "1": nothing may fill that pipe later
     os.close(null)
     while True:
-        ready = selectors.DefaultSelector()
-        ready.register(listener, selectors.EVENT_READ)
-        events = ready.select(1.0)
-        ready.close()
+        events, _, _ = select.select([listener], [], [], 1.0)
         if os.getppid() != parent:
             os._exit(0)
         while True:  # the keepers that ended
@@ -275,8 +272,6 @@ def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int
     if len(body) < size:
         body += receive(conn, size - len(body))
     args, cwd, env = pickle.loads(body)
-    from ddpjob.launch import worker_fork  # imported by the starter already
-
     worker_fork._flush_all()  # python's and C's buffers: else every command would write them again
     pid = os.fork()
     if pid == 0:
@@ -307,8 +302,6 @@ def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: lis
     """In the command's process: what ``python -m ddpjob ARGS`` would be, then ddpjob run as __main__."""
     import runpy
 
-    from ddpjob.launch import worker_fork  # imported by the starter already
-
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -326,7 +319,7 @@ if __name__ == "__main__":
     _path, _kind, _parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
     import importlib
 
-    for _name in (*KINDS[_kind][1], "ddpjob.launch.worker_fork"):
+    for _name in KINDS[_kind][1]:
         importlib.import_module(_name)
 
     assert os.listdir("/proc/self/task") == [str(os.getpid())]  # a fork keeps no other thread
