@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 NPROC  ?= 2
 
-.PHONY: setup runtime run run-lm shell test lint unit flaky e2e e2e-parallel e2e-serial e2e-down bench clean check process process-parallel process-serial provision
+.PHONY: setup runtime run run-lm shell test lint unit flaky e2e e2e-parallel e2e-serial e2e-down bench clean check process process-beside process-alone process-parallel process-serial provision
 
 # `make run` needs only the runtime (torch and ddpjob's own dependencies); the dev tools (linters,
 # trackers, transformers, ...) come with `make setup`, which every test target uses.
@@ -53,25 +53,44 @@ lint: setup
 unit: setup
 	$(BIN)/pytest -q tests/unit
 
-# Real torchrun and subprocesses: two at a time (the tests sharing a reference run or a server on one
-# worker: tests/conftest.py), then the tests that race a deadline (marked `serial` in their file) apart
-# from them, two at a time (they mostly wait), those that measure a speed (`alone`) with none beside.
-process: process-parallel process-serial
+# Real torchrun and subprocesses. The parallel tier (two at a time; the tests sharing a reference run
+# or a server on one worker: tests/conftest.py) runs at nice 19 beside the tests that race a deadline
+# (marked `serial` in their file; two at a time, they mostly wait), which so get a core whenever they
+# ask for one; the serial tests' output follows the parallel tier's. Then those that measure a speed
+# (`alone`: a step time, a link) with nothing beside them.
+PARALLEL ?= 2
+process: process-beside
+	$(MAKE) --no-print-directory process-alone
+process-beside: setup
+	@mkdir -p runs
+	@nice -n 19 $(MAKE) --no-print-directory process-parallel & parallel=$$!; \
+	$(MAKE) --no-print-directory process-serial SERIAL='serial and not alone' > runs/process-serial.log 2>&1; \
+	serial=$$?; wait $$parallel; parallel=$$?; \
+	echo "---- the serial tests, beside the parallel tier (runs/process-serial.log) ----"; \
+	cat runs/process-serial.log; [ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
+process-alone: setup
+	$(BIN)/pytest -q -m alone tests/process
 process-parallel: setup
-	$(BIN)/pytest -q -n 2 --dist loadgroup -m 'not serial' tests/process
+	$(BIN)/pytest -q -n $(PARALLEL) --dist loadgroup -m 'not serial' tests/process
+SERIAL ?= serial
 process-serial: setup
-	$(BIN)/pytest -q -n 2 --dist loadgroup -m serial tests/process
+	$(BIN)/pytest -q -n 2 --dist loadgroup -m '$(SERIAL)' tests/process
 
 # Before a commit: lint and the unit tier (no processes).
 check: lint unit
 
 test: lint unit process
 
-# How flaky the timing-sensitive tier is: its tests N times over, then how many rounds each test
-# failed in, with the causes (tests/flaky.py). Not part of `make test` or CI. K narrows it (pytest -k).
+# How flaky the timing-sensitive tests are: the `serial` tests N times over, as `make process` runs
+# them (beside LOAD busy loops at nice 19 in place of the parallel tier; LOAD=0 for none; the `alone`
+# tests get the loops too, which `make process` spares them), then how many rounds each test failed
+# in, with the causes (tests/flaky.py). Not part of `make test` or CI. K narrows it (pytest -k).
 N ?= 5
+LOAD ?= 2
 flaky: setup
 	rm -rf runs/flaky && mkdir -p runs/flaky
+	loops=; trap 'kill $$loops 2>/dev/null' EXIT; \
+	for j in $$(seq 1 $(LOAD)); do nice -n 19 $(BIN)/python -c 'while True: pass' & loops="$$loops $$!"; done; \
 	for i in $$(seq 1 $(N)); do \
 		$(BIN)/pytest -q -n 2 --dist loadgroup -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \
 		echo $$? > runs/flaky/round-$$i.rc; \
