@@ -53,12 +53,13 @@ lint: setup
 unit: setup
 	$(BIN)/pytest -q tests/unit
 
-# Real torchrun and subprocesses. The parallel tier (two at a time; the tests sharing a reference run
-# or a server on one worker: tests/conftest.py) runs at nice 19 beside the tests that race a deadline
+# Real torchrun and subprocesses. The parallel tier (PARALLEL at a time, 3: a third fills the time the
+# others sleep in; the tests sharing a reference run or a server on one worker: tests/conftest.py)
+# runs at nice 19 beside the tests that race a deadline
 # (marked `serial` in their file; two at a time, they mostly wait), which so get a core whenever they
 # ask for one; the serial tests' output follows the parallel tier's. Then those that measure a speed
 # (`alone`: a step time, a link) with nothing beside them.
-PARALLEL ?= 2
+PARALLEL ?= 3
 process: process-beside
 	$(MAKE) --no-print-directory process-alone
 process-beside: setup

@@ -97,8 +97,8 @@ def test_a_command_past_its_timeout_is_killed_and_raises_timeout_expired_as_subp
     ddpjob(["config"], work)  # the starter started: its time is not the command's
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as expired:
-        ddpjob(["train", "--model", model], work, timeout=10)
-    assert time.monotonic() - started < 10 + 10
+        ddpjob(["train", "--model", model], work, timeout=6)  # forked: at its model factory within a second or two
+    assert time.monotonic() - started < 6 + 10
     assert isinstance(expired.value.stdout, bytes)  # as communicate() leaves it, text or not
     pid, forked = pid_file.read_text().split()
     assert forked == "True"
@@ -108,15 +108,16 @@ def test_a_command_past_its_timeout_is_killed_and_raises_timeout_expired_as_subp
     assert not alive(int(pid)), "the command outlived its timeout"
 
 
-@pytest.mark.parametrize("fresh", [True, False], ids=["exec", "fork"])
-def test_a_child_left_holding_the_commands_output_makes_it_time_out_as_with_subprocess_run(work, fresh):
+# an exec'd command on a loaded machine may take many seconds to reach its model factory
+@pytest.mark.parametrize("fresh, timeout", [(True, 20), (False, 6)], ids=["exec", "fork"])
+def test_a_child_left_holding_the_commands_output_makes_it_time_out_as_with_subprocess_run(work, fresh, timeout):
     """communicate() reads stdout and stderr to their end: a child that keeps them open holds the test
     until its timeout, forked or exec'd, instead of returning with half the output."""
     pid_file = work / "pid"
     model = f"tests.plugins.starter_probe:pipe_holder(pid_file={str(pid_file)!r})"
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            ddpjob(["train", "--model", model], work, timeout=20, fresh=fresh)
+            ddpjob(["train", "--model", model], work, timeout=timeout, fresh=fresh)
     finally:
         if pid_file.exists():
             os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
