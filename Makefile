@@ -47,7 +47,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests examples $(wildcard bench)
 	$(BIN)/mypy src
 	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/shellcheck -x slurm/*.sbatch slurm/*.sh docker/*.sh tests/e2e/*.sh tests/gpu/*.sh bench/*.sh .ci/run
+	$(BIN)/shellcheck -x slurm/*.sbatch slurm/*.sh docker/*.sh tests/*.sh tests/e2e/*.sh tests/gpu/*.sh bench/*.sh .ci/run
 
 # The unit tier: in process, no subprocesses (tests/unit/conftest.py refuses one); seconds.
 unit: setup
@@ -55,16 +55,17 @@ unit: setup
 
 # Real torchrun and subprocesses. The parallel tier (PARALLEL at a time, 3: a third fills the time the
 # others sleep in; the tests sharing a reference run or a server on one worker: tests/conftest.py)
-# runs at nice 19 beside the tests that race a deadline
-# (marked `serial` in their file; two at a time, they mostly wait), which so get a core whenever they
-# ask for one; the serial tests' output follows the parallel tier's. Then those that measure a speed
-# (`alone`: a step time, a link) with nothing beside them.
+# runs as background work (tests/background.sh: a cpu cgroup of weight 2 where root may make one, and
+# nice 19) beside the tests that race a deadline (marked `serial` in their file; two at a time, they
+# mostly wait), which so get a core whenever they ask for one; their output follows the parallel
+# tier's. Then those that measure a speed (`alone`: a step time, a link) with nothing beside them.
 PARALLEL ?= 3
 process: process-beside
 	$(MAKE) --no-print-directory process-alone
 process-beside: setup
 	@mkdir -p runs
-	@nice -n 19 $(MAKE) --no-print-directory process-parallel & parallel=$$!; \
+	@tests/background.sh $(MAKE) --no-print-directory process-parallel & parallel=$$!; \
+	trap 'kill $$parallel 2>/dev/null' INT TERM HUP; \
 	$(MAKE) --no-print-directory process-serial SERIAL='serial and not alone' > runs/process-serial.log 2>&1; \
 	serial=$$?; wait $$parallel; parallel=$$?; \
 	echo "---- the serial tests, beside the parallel tier (runs/process-serial.log) ----"; \
@@ -83,15 +84,15 @@ check: lint unit
 test: lint unit process
 
 # How flaky the timing-sensitive tests are: the `serial` tests N times over, as `make process` runs
-# them (beside LOAD busy loops at nice 19 in place of the parallel tier; LOAD=0 for none; the `alone`
-# tests get the loops too, which `make process` spares them), then how many rounds each test failed
-# in, with the causes (tests/flaky.py). Not part of `make test` or CI. K narrows it (pytest -k).
+# them (beside LOAD busy loops run as background work in place of the parallel tier; LOAD=0 for none;
+# the `alone` tests get the loops too, which `make process` spares them), then how many rounds each
+# test failed in, with the causes (tests/flaky.py). Not part of `make test` or CI. K narrows it (pytest -k).
 N ?= 5
 LOAD ?= 2
 flaky: setup
 	rm -rf runs/flaky && mkdir -p runs/flaky
-	loops=; trap 'kill $$loops 2>/dev/null' EXIT; \
-	for j in $$(seq 1 $(LOAD)); do nice -n 19 $(BIN)/python -c 'while True: pass' & loops="$$loops $$!"; done; \
+	loops=; trap 'kill $$loops 2>/dev/null' EXIT; trap 'exit 130' INT TERM HUP; \
+	for j in $$(seq 1 $(LOAD)); do tests/background.sh $(BIN)/python -c 'while True: pass' & loops="$$loops $$!"; done; \
 	for i in $$(seq 1 $(N)); do \
 		$(BIN)/pytest -q -n 2 --dist loadgroup -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \
 		echo $$? > runs/flaky/round-$$i.rc; \

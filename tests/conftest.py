@@ -2,8 +2,9 @@
 process helpers) and plugins/ import the same from tests/unit, tests/process and tests/e2e; so are
 this checkout's src/ and its root (examples/), as in the child processes (helpers.PYTHONPATH). A test
 that races a deadline says so itself: `@pytest.mark.serial`, or `pytestmark` for a whole file; it then
-runs apart from the parallel tier, beside at most one other such test (make process-serial). One that
-measures a speed (a rank's step time, a link) is also `@pytest.mark.alone`: no test runs beside it."""
+runs at normal priority beside the parallel tier, which runs at nice 19, and beside at most one other
+such test (make process). One that measures a speed (a rank's step time, a link) is also
+`@pytest.mark.alone`: no test runs beside it."""
 
 import contextlib
 import fcntl

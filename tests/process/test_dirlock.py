@@ -11,7 +11,7 @@ import pytest
 from ddpjob.checkpoint import dirlock
 from ddpjob.errors import Retriable, UsageError
 
-pytestmark = pytest.mark.serial  # timing-sensitive: apart from the parallel tier (make process-serial)
+pytestmark = pytest.mark.serial  # timing-sensitive: at normal priority beside the parallel tier at nice 19
 
 HOLD = """
 import os, sys, time

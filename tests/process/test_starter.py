@@ -57,6 +57,9 @@ def test_a_forked_command_starts_as_an_exec_d_one_would(work):
     assert execd["cwd"] == "cwd" and execd["path"][0] == "cwd" and execd["session"] == [True, True]
     assert execd["main"] == ["ddpjob.__main__", "__main__.py"] and execd["stdio"][1:] == ["pipe", "pipe"]
     assert execd["handlers"][str(int(signal.SIGTERM))] == "SIG_DFL"  # before ddpjob's own
+    # python's own, unless the tests run with SIGINT ignored (started with & by a shell without job
+    # control), where the KeyboardInterrupt row below could not tell a fork from an exec
+    assert execd["handlers"][str(int(signal.SIGINT))] == "default_int_handler", execd["handlers"]
     assert forked.pop("forked") and not execd.pop("forked")  # each ran as it says
     draws = execd.pop("draws"), forked.pop("draws")
     execd.pop("hash"), forked.pop("hash")  # a fork hashes with its starter's seed (tests/starter.py)
@@ -70,6 +73,7 @@ def test_a_forked_command_ends_as_an_exec_d_one_would(work, how):
     runs = both(["train", "--data", f"tests.plugins.starter_probe:ending(how={how!r})"], work)
     execd, forked = runs[True], runs[False]
     assert f"ending: {how}" in execd.stdout, execd.stderr[-3000:]  # it ran, and ended as it says
+    assert "did not end the process" not in execd.stderr, execd.stderr[-3000:]
     assert "forked: True" in forked.stderr and "forked: False" in execd.stderr
     code = ENDINGS[how][1]
     assert code is None or execd.returncode == code, (execd.returncode, execd.stderr[-3000:])
@@ -97,8 +101,8 @@ def test_a_command_past_its_timeout_is_killed_and_raises_timeout_expired_as_subp
     ddpjob(["config"], work)  # the starter started: its time is not the command's
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as expired:
-        ddpjob(["train", "--model", model], work, timeout=6)  # forked: at its model factory within a second or two
-    assert time.monotonic() - started < 6 + 10
+        ddpjob(["train", "--model", model], work, timeout=10)
+    assert time.monotonic() - started < 10 + 10
     assert isinstance(expired.value.stdout, bytes)  # as communicate() leaves it, text or not
     pid, forked = pid_file.read_text().split()
     assert forked == "True"
@@ -108,16 +112,15 @@ def test_a_command_past_its_timeout_is_killed_and_raises_timeout_expired_as_subp
     assert not alive(int(pid)), "the command outlived its timeout"
 
 
-# an exec'd command on a loaded machine may take many seconds to reach its model factory
-@pytest.mark.parametrize("fresh, timeout", [(True, 20), (False, 6)], ids=["exec", "fork"])
-def test_a_child_left_holding_the_commands_output_makes_it_time_out_as_with_subprocess_run(work, fresh, timeout):
+@pytest.mark.parametrize("fresh", [True, False], ids=["exec", "fork"])
+def test_a_child_left_holding_the_commands_output_makes_it_time_out_as_with_subprocess_run(work, fresh):
     """communicate() reads stdout and stderr to their end: a child that keeps them open holds the test
     until its timeout, forked or exec'd, instead of returning with half the output."""
     pid_file = work / "pid"
     model = f"tests.plugins.starter_probe:pipe_holder(pid_file={str(pid_file)!r})"
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            ddpjob(["train", "--model", model], work, timeout=timeout, fresh=fresh)
+            ddpjob(["train", "--model", model], work, timeout=20, fresh=fresh)
     finally:
         if pid_file.exists():
             os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
