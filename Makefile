@@ -55,19 +55,22 @@ unit: setup
 
 # Real torchrun and subprocesses. The parallel tier (PARALLEL at a time, 3: a third fills the time the
 # others sleep in; the tests sharing a reference run or a server on one worker: tests/conftest.py)
-# runs as background work (tests/background.sh: a cpu cgroup of weight 2 where root may make one, and
-# nice 19) beside the tests that race a deadline (marked `serial` in their file; two at a time, they
+# runs as background work (tests/background.sh: nice 19, and a cpu cgroup of weight 128 where root may
+# make one) beside the tests that race a deadline (marked `serial` in their file; two at a time, they
 # mostly wait), which so get a core whenever they ask for one; their output follows the parallel
 # tier's. Then those that measure a speed (`alone`: a step time, a link) with nothing beside them.
+# Ctrl-C reaches both tiers (each ends its tests itself); TERM or HUP to the recipe ends both.
 PARALLEL ?= 3
 process: process-beside
 	$(MAKE) --no-print-directory process-alone
 process-beside: setup
 	@mkdir -p runs
-	@tests/background.sh $(MAKE) --no-print-directory process-parallel & parallel=$$!; \
-	trap 'kill $$parallel 2>/dev/null' INT TERM HUP; \
-	$(MAKE) --no-print-directory process-serial SERIAL='serial and not alone' > runs/process-serial.log 2>&1; \
-	serial=$$?; wait $$parallel; parallel=$$?; \
+	@tests/background.sh $(MAKE) --no-print-directory process-parallel & pp=$$!; \
+	tests/background.sh --normal $(MAKE) --no-print-directory process-serial SERIAL='serial and not alone' \
+		> runs/process-serial.log 2>&1 & sp=$$!; \
+	trap 'kill $$pp $$sp 2>/dev/null' TERM HUP; trap : INT; \
+	while wait $$sp; serial=$$?; kill -0 $$sp 2>/dev/null; do :; done; \
+	while wait $$pp; parallel=$$?; kill -0 $$pp 2>/dev/null; do :; done; \
 	echo "---- the serial tests, beside the parallel tier (runs/process-serial.log) ----"; \
 	cat runs/process-serial.log; [ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 process-alone: setup
@@ -91,7 +94,7 @@ N ?= 5
 LOAD ?= 2
 flaky: setup
 	rm -rf runs/flaky && mkdir -p runs/flaky
-	loops=; trap 'kill $$loops 2>/dev/null' EXIT; trap 'exit 130' INT TERM HUP; \
+	loops=; trap 'kill $$loops 2>/dev/null' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM HUP; \
 	for j in $$(seq 1 $(LOAD)); do tests/background.sh $(BIN)/python -c 'while True: pass' & loops="$$loops $$!"; done; \
 	for i in $$(seq 1 $(N)); do \
 		$(BIN)/pytest -q -n 2 --dist loadgroup -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \

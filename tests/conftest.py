@@ -2,12 +2,13 @@
 process helpers) and plugins/ import the same from tests/unit, tests/process and tests/e2e; so are
 this checkout's src/ and its root (examples/), as in the child processes (helpers.PYTHONPATH). A test
 that races a deadline says so itself: `@pytest.mark.serial`, or `pytestmark` for a whole file; it then
-runs at normal priority beside the parallel tier, which runs at nice 19, and beside at most one other
-such test (make process). One that measures a speed (a rank's step time, a link) is also
-`@pytest.mark.alone`: no test runs beside it."""
+runs at normal priority beside the parallel tier, which runs as background work (tests/background.sh),
+and beside at most one other such test (make process). One that measures a speed (a rank's step time,
+a link) is also `@pytest.mark.alone`: no test runs beside it."""
 
 import contextlib
 import fcntl
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +16,12 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).parent
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # started with & by a shell without job control: every command a test starts would ignore Ctrl-C
+    # too, and test_starter could not tell how a fork and an exec end on it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 sys.path[:0] = [str(TESTS), str(TESTS.parent / "src"), str(TESTS.parent)]
 
 

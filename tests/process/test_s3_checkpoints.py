@@ -340,7 +340,7 @@ def test_a_corrupt_newest_checkpoint_in_the_store_is_skipped_for_the_one_before(
     assert starts(work) == [0, 5]
 
 
-@pytest.mark.serial  # it times a deadline: at normal priority, beside the parallel tier at nice 19 (make process)
+@pytest.mark.serial  # it times a deadline: at normal priority, beside the parallel tier held back (make process)
 @pytest.mark.parametrize("failing", ["resets every connection", "answers 503 SlowDown"])
 def test_a_store_failing_every_request_ends_an_operation_near_the_save_timeout(monkeypatch, failing):
     """--save-timeout is how long a store operation is retried, then a save error. botocore's and s3fs's
