@@ -11,7 +11,7 @@ import pytest
 from ddpjob.checkpoint import dirlock
 from ddpjob.errors import Retriable, UsageError
 
-pytestmark = pytest.mark.serial  # timing-sensitive: at normal priority beside the parallel tier held back (make process)
+pytestmark = pytest.mark.serial  # timing-sensitive: beside the parallel tier held back (make process)
 
 HOLD = """
 import os, sys, time
