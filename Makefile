@@ -57,20 +57,20 @@ unit: setup
 # others sleep in; the tests sharing a reference run or a server on one worker: tests/conftest.py)
 # runs as background work (tests/background.sh: nice 19, and a cpu cgroup of weight 128 where root may
 # make one) beside the tests that race a deadline (marked `serial` in their file; two at a time, they
-# mostly wait), which so get a core whenever they ask for one; their output follows the parallel
-# tier's. Then those that measure a speed (`alone`: a step time, a link) with nothing beside them.
-# Ctrl-C reaches both tiers (each ends its tests itself); TERM or HUP to the recipe ends both.
+# mostly wait), which so get most of a core whenever they ask for one; their output follows the
+# parallel tier's. Then those that measure a speed (`alone`: a step time, a link) with nothing beside.
+# Ctrl-C reaches both pytests, as TERM or HUP to the recipe does as an interrupt: each ends its tests.
 PARALLEL ?= 3
 process: process-beside
 	$(MAKE) --no-print-directory process-alone
 process-beside: setup
 	@mkdir -p runs
-	@tests/background.sh $(MAKE) --no-print-directory process-parallel & pp=$$!; \
-	tests/background.sh --normal $(MAKE) --no-print-directory process-serial SERIAL='serial and not alone' \
+	@trap 'kill -INT $$pp $$sp 2>/dev/null' TERM HUP; trap : INT; \
+	tests/background.sh $(BIN)/pytest -q -n $(PARALLEL) --dist loadgroup -m 'not serial' tests/process & pp=$$!; \
+	tests/background.sh --normal $(BIN)/pytest -q -n 2 --dist loadgroup -m 'serial and not alone' tests/process \
 		> runs/process-serial.log 2>&1 & sp=$$!; \
-	trap 'kill $$pp $$sp 2>/dev/null' TERM HUP; trap : INT; \
-	while wait $$sp; serial=$$?; kill -0 $$sp 2>/dev/null; do :; done; \
-	while wait $$pp; parallel=$$?; kill -0 $$pp 2>/dev/null; do :; done; \
+	while wait $$sp; serial=$$?; [ $$serial -gt 128 ] && kill -0 $$sp 2>/dev/null; do :; done; \
+	while wait $$pp; parallel=$$?; [ $$parallel -gt 128 ] && kill -0 $$pp 2>/dev/null; do :; done; \
 	echo "---- the serial tests, beside the parallel tier (runs/process-serial.log) ----"; \
 	cat runs/process-serial.log; [ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 process-alone: setup
@@ -80,6 +80,9 @@ process-parallel: setup
 SERIAL ?= serial
 process-serial: setup
 	$(BIN)/pytest -q -n 2 --dist loadgroup -m '$(SERIAL)' tests/process
+
+# One target at a time, also under make -j: the tiers time themselves against each other's load.
+.NOTPARALLEL:
 
 # Before a commit: lint and the unit tier (no processes).
 check: lint unit
@@ -94,11 +97,14 @@ N ?= 5
 LOAD ?= 2
 flaky: setup
 	rm -rf runs/flaky && mkdir -p runs/flaky
-	loops=; trap 'kill $$loops 2>/dev/null' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM HUP; \
+	@loops=; round=; trap 'kill $$loops 2>/dev/null' EXIT; trap 'kill -INT $$round 2>/dev/null; exit 143' TERM HUP; \
+	trap 'exit 130' INT; \
 	for j in $$(seq 1 $(LOAD)); do tests/background.sh $(BIN)/python -c 'while True: pass' & loops="$$loops $$!"; done; \
 	for i in $$(seq 1 $(N)); do \
-		$(BIN)/pytest -q -n 2 --dist loadgroup -m serial -p no:cacheprovider tests/process --junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)'); \
-		echo $$? > runs/flaky/round-$$i.rc; \
+		tests/background.sh --normal $(BIN)/pytest -q -n 2 --dist loadgroup -m serial -p no:cacheprovider tests/process \
+			--junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)') & round=$$!; \
+		while wait $$round; rc=$$?; [ $$rc -gt 128 ] && kill -0 $$round 2>/dev/null; do :; done; \
+		echo $$rc > runs/flaky/round-$$i.rc; \
 	done; $(BIN)/python tests/flaky.py $$(seq -f 'runs/flaky/round-%g.xml' 1 $(N))
 
 # End-to-end tests against a real Docker engine and Slurm daemons (root; installs what they need):

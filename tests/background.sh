@@ -3,9 +3,9 @@
 # runs the parallel tier so beside the tests that race a deadline. Nice alone does not reach far: with
 # the kernel's autogroups (kernel.sched_autogroup_enabled), each session in the root cpu cgroup is
 # weighed apart, and torchrun and ddpjob launch start every worker in a session of its own. So where
-# this user may make one (root, cgroup v1), the command also runs in a cpu cgroup of weight 128 (the
-# rest of its own cgroup has 1024 per session), below the caller's cgroup; its descendants stay in it
-# whatever sessions they start. 128, not the least: held back to nothing, the tier's own time limits
+# this user may make one (root, cgroup v1), the command also runs in a cpu cgroup of weight 128 (in
+# the root cgroup, every other session weighs 1024), below the caller's cgroup; its descendants stay
+# in it whatever sessions they start. 128, not the least: held back to nothing, the tier's own time limits
 # would starve while the serial tests keep both cores busy.
 # SIGINT and SIGQUIT, which a shell without job control ignores in what it starts with `&`, get their
 # default actions back, so that Ctrl-C reaches the command. With --normal, only that: for a command at
