@@ -61,25 +61,27 @@ unit: setup
 # parallel tier's. Then those that measure a speed (`alone`: a step time, a link) with nothing beside.
 # Ctrl-C reaches both pytests, as TERM or HUP to the recipe does as an interrupt: each ends its tests.
 PARALLEL ?= 3
+PYTEST_PARALLEL = $(BIN)/pytest -q -n $(PARALLEL) --dist loadgroup -m 'not serial' tests/process
+PYTEST_SERIAL = $(BIN)/pytest -q -n 2 --dist loadgroup tests/process -m
+# `finish PID`: waits for a job started with &, again while a trapped signal interrupts the wait;
+# returns its exit status.
+FINISH = finish() { while wait $$1; rc=$$?; [ $$rc -gt 128 ] && kill -0 $$1 2>/dev/null; do :; done; return $$rc; }
 process: process-beside
 	$(MAKE) --no-print-directory process-alone
 process-beside: setup
 	@mkdir -p runs
-	@trap 'kill -INT $$pp $$sp 2>/dev/null' TERM HUP; trap : INT; \
-	tests/background.sh $(BIN)/pytest -q -n $(PARALLEL) --dist loadgroup -m 'not serial' tests/process & pp=$$!; \
-	tests/background.sh --normal $(BIN)/pytest -q -n 2 --dist loadgroup -m 'serial and not alone' tests/process \
-		> runs/process-serial.log 2>&1 & sp=$$!; \
-	while wait $$sp; serial=$$?; [ $$serial -gt 128 ] && kill -0 $$sp 2>/dev/null; do :; done; \
-	while wait $$pp; parallel=$$?; [ $$parallel -gt 128 ] && kill -0 $$pp 2>/dev/null; do :; done; \
+	@$(FINISH); trap 'kill -INT $$pp $$sp 2>/dev/null' TERM HUP; trap : INT; \
+	tests/background.sh $(PYTEST_PARALLEL) & pp=$$!; \
+	tests/background.sh --normal $(PYTEST_SERIAL) 'serial and not alone' > runs/process-serial.log 2>&1 & sp=$$!; \
+	finish $$sp; serial=$$?; finish $$pp; parallel=$$?; \
 	echo "---- the serial tests, beside the parallel tier (runs/process-serial.log) ----"; \
 	cat runs/process-serial.log; [ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 process-alone: setup
 	$(BIN)/pytest -q -m alone tests/process
 process-parallel: setup
-	$(BIN)/pytest -q -n $(PARALLEL) --dist loadgroup -m 'not serial' tests/process
-SERIAL ?= serial
+	$(PYTEST_PARALLEL)
 process-serial: setup
-	$(BIN)/pytest -q -n 2 --dist loadgroup -m '$(SERIAL)' tests/process
+	$(PYTEST_SERIAL) serial
 
 # One target at a time, also under make -j: the tiers time themselves against each other's load.
 .NOTPARALLEL:
@@ -97,14 +99,13 @@ N ?= 5
 LOAD ?= 2
 flaky: setup
 	rm -rf runs/flaky && mkdir -p runs/flaky
-	@loops=; round=; trap 'kill $$loops 2>/dev/null' EXIT; trap 'kill -INT $$round 2>/dev/null; exit 143' TERM HUP; \
+	@$(FINISH); loops=; round=; trap 'kill $$loops 2>/dev/null' EXIT; trap 'kill -INT $$round 2>/dev/null; exit 143' TERM HUP; \
 	trap 'exit 130' INT; \
 	for j in $$(seq 1 $(LOAD)); do tests/background.sh $(BIN)/python -c 'while True: pass' & loops="$$loops $$!"; done; \
 	for i in $$(seq 1 $(N)); do \
-		tests/background.sh --normal $(BIN)/pytest -q -n 2 --dist loadgroup -m serial -p no:cacheprovider tests/process \
+		tests/background.sh --normal $(PYTEST_SERIAL) serial -p no:cacheprovider \
 			--junitxml=runs/flaky/round-$$i.xml $(if $(K),-k '$(K)') & round=$$!; \
-		while wait $$round; rc=$$?; [ $$rc -gt 128 ] && kill -0 $$round 2>/dev/null; do :; done; \
-		echo $$rc > runs/flaky/round-$$i.rc; \
+		finish $$round; echo $$? > runs/flaky/round-$$i.rc; \
 	done; $(BIN)/python tests/flaky.py $$(seq -f 'runs/flaky/round-%g.xml' 1 $(N))
 
 # End-to-end tests against a real Docker engine and Slurm daemons (root; installs what they need):
