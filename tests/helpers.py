@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -20,6 +20,10 @@ PY = sys.executable
 FAST = ["--epochs", "2", "--log-every", "1000"]
 # This checkout's package first (not whichever ddpjob the venv has installed), then the repo for examples.*
 PYTHONPATH = f"{REPO / 'src'}:{REPO}"
+
+
+# what spawn() starts: a Popen, or a command forked from a starter (tests/starter.py), used alike
+Process = subprocess.Popen[str] | starter.Started
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -47,21 +51,21 @@ def ddpjob(
     return starter.run(args, cwd, full, kind, clean_env(), timeout)
 
 
-def spawn(args: Sequence[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
-    """`python -m ddpjob ARGS` in the background, output captured."""
-    return subprocess.Popen(
-        [PY, "-m", "ddpjob", *args],
-        cwd=cwd,
-        env=clean_env(**env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def spawn(args: Sequence[str], cwd: Path, fresh: bool = False, stdout: IO[str] | None = None, **env: str) -> Process:
+    """`python -m ddpjob ARGS` in the background, stdout and stderr together in its ``stdout`` (or in
+    the file ``stdout``), as subprocess.Popen gives it. Forked from a starter as ddpjob() is (its pid
+    the command's), unless ``fresh`` or its environment changes how python or torch start; then exec'd."""
+    full = clean_env(**env)
+    kind = None if fresh else starter.kind_of(args, cwd, full, clean_env())
+    if kind is None:
+        out = stdout or subprocess.PIPE
+        return subprocess.Popen(
+            [PY, "-m", "ddpjob", *args], cwd=cwd, env=full, stdout=out, stderr=subprocess.STDOUT, text=True
+        )
+    return starter.Started(args, cwd, full, kind, clean_env(), stdout)
 
 
-def plain_env_ranks(
-    args: Sequence[str], cwd: Path, port: int, world: int = 2, **env: str
-) -> list[subprocess.Popen[str]]:
+def plain_env_ranks(args: Sequence[str], cwd: Path, port: int, world: int = 2, **env: str) -> list[Process]:
     """`ddpjob train` as `world` processes with only RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set."""
     return [
         spawn(

@@ -8,13 +8,18 @@ ddpjob ARGS`` would be (its stdin, stdout and stderr, cwd, environment, argv, ``
 seeded generators), runs ddpjob as ``__main__`` and ends through python's own exit: SystemExit's code,
 an error's traceback and 1, non-daemon threads joined, atexit.
 
-What stays exec'd (helpers.ddpjob): ``fresh=True``; an environment whose variables read as python or
-torch start (``STARTUP_VARIABLES``) differ from the starter's; everything started by ``spawn`` and
-``torchrun``. One limit: the commands of one test process share python's string-hash seed.
+Two ways in: ``run`` (helpers.ddpjob), as ``subprocess.run`` runs a command to its end, and ``Started``
+(helpers.spawn), as ``subprocess.Popen`` starts one in the background: its pid is the command's, so
+signals reach it, and its exit code comes from the keeper. What stays exec'd: ``fresh=True``; an
+environment whose variables read as python or torch start (``STARTUP_VARIABLES``, PYTHONPATH with a
+test's sitecustomize among them) differ from the starter's; everything started by ``torchrun``. Limits:
+the commands of one test process share python's string-hash seed; a ``Started`` command's parent is
+its keeper, which kills it if the test drops the object (or exits) while it runs.
 
 Protocol, over a Unix socket: the request (a length, then pickled argv, cwd and env, with stdin,
-stdout and stderr passed as descriptors); the answer, 4 bytes: the exit code as ``Popen.returncode``
-gives it. A ``k`` from the test (its timeout) makes the keeper kill the command first.
+stdout and stderr passed as descriptors); the answer, 4 bytes, the command's pid, then once it has
+ended 4 more: the exit code as ``Popen.returncode`` gives it. A ``k`` from the test (its timeout)
+makes the keeper kill the command first.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from ddpjob.launch import worker_fork
 
@@ -154,20 +160,42 @@ def _stop_starters(owner: int) -> None:
             Path(path).parent.rmdir()
 
 
+def _fork(
+    args: Sequence[str], cwd: Path, env: dict[str, str], kind: str, starter_env: dict[str, str], fds: list[int]
+) -> tuple[socket.socket, int]:
+    """Has this test process's starter of ``kind`` fork the command, with ``fds`` as its stdin, stdout
+    and stderr: the connection to its keeper, and the command's pid."""
+    path = _starter(kind, starter_env)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        request = pickle.dumps((list(args), str(cwd), dict(env)))
+        socket.send_fds(conn, [SIZE.pack(len(request)) + request], fds)
+        conn.settimeout(READY_S)  # the keeper forks the command at once
+        pid = receive(conn, CODE.size)
+        conn.settimeout(None)
+        if len(pid) != CODE.size:
+            raise RuntimeError(f"the {kind} starter's keeper ended without forking the command")
+    except BaseException:
+        conn.close()
+        raise
+    return conn, CODE.unpack(pid)[0]
+
+
 def run(
     args: Sequence[str], cwd: Path, env: dict[str, str], kind: str, starter_env: dict[str, str], timeout: float | None
 ) -> subprocess.CompletedProcess[str]:
     """As ``subprocess.run([python, -m, ddpjob, *args], cwd=cwd, env=env, capture_output=True,
     text=True, timeout=timeout)``, the command forked from a starter of ``kind``."""
-    path = _starter(kind, starter_env)
     cmd = [sys.executable, "-m", "ddpjob", *args]
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(path)
-        request = pickle.dumps((list(args), str(cwd), dict(env)))
-        socket.send_fds(conn, [SIZE.pack(len(request)) + request], [0, out_w, err_w])
+        conn, _ = _fork(args, cwd, env, kind, starter_env, [0, out_w, err_w])
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
     finally:
         os.close(out_w)
         os.close(err_w)
@@ -206,6 +234,86 @@ def run(
     return subprocess.CompletedProcess(cmd, CODE.unpack(answer)[0], out, err)
 
 
+class Started:
+    """As ``subprocess.Popen([python, -m, ddpjob, *args], cwd=cwd, env=env, stdout=PIPE, stderr=STDOUT,
+    text=True)``, the command forked from a starter of ``kind``: ``pid`` is the command's, signals sent
+    to it reach the command, ``stdout`` reads its output, ``communicate``, ``wait`` and ``poll`` as
+    Popen's. Its exit code comes from its keeper, which kills it if this object is dropped while it runs."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        cwd: Path,
+        env: dict[str, str],
+        kind: str,
+        starter_env: dict[str, str],
+        stdout: IO[str] | None = None,
+    ) -> None:
+        self.args = [sys.executable, "-m", "ddpjob", *args]
+        self.returncode: int | None = None
+        self.stdout: IO[str] | None = None
+        if stdout is not None:  # Popen's stdout=FILE, stderr=STDOUT
+            self._conn, self.pid = _fork(args, cwd, env, kind, starter_env, [0, stdout.fileno(), stdout.fileno()])
+            return
+        out_r, out_w = os.pipe()
+        try:
+            self._conn, self.pid = _fork(args, cwd, env, kind, starter_env, [0, out_w, out_w])
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(out_w)
+        # text, universal newlines: Popen's text=True; closed by communicate(), as Popen's
+        self.stdout = open(out_r, encoding=_encoding())  # noqa: SIM115
+        self._output: list[str] = []
+        self._reader: threading.Thread | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.wait()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                answer = receive(self._conn, CODE.size)  # sent whole, or not yet
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            if len(answer) != CODE.size:
+                raise RuntimeError("the starter's keeper ended without the command's exit code")
+            self.returncode = CODE.unpack(answer)[0]
+            self._conn.close()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """The output to its end (also what a line-by-line read left), then the exit code."""
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        stdout = self.stdout
+        if stdout is None:  # written to a file: only the end to wait for
+            self.wait(timeout)
+            return "", None
+        if self._reader is None:
+            self._reader = threading.Thread(target=lambda: self._output.append(stdout.read()), daemon=True)
+            self._reader.start()
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        stdout.close()
+        self.wait(max(deadline - time.monotonic(), 0) if deadline is not None else None)
+        return "".join(self._output), None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: until its code is read, the pid is the command's (a zombie)
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _kill(conn: socket.socket) -> None:
     """The keeper kills the command, as run() does on a timeout, and answers once it is gone (an
     OSError: the command had ended, and its keeper with it)."""
@@ -220,11 +328,15 @@ def _output(*streams: list[bytes]) -> list[bytes | None]:
     return [b"".join(chunks) if chunks else None for chunks in streams]
 
 
-def _text(data: bytes) -> str:
-    """As subprocess.run's text=True decodes: the locale's encoding, strict, universal newlines."""
+def _encoding() -> str:
     import locale
 
-    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+    return locale.getpreferredencoding(False)
+
+
+def _text(data: bytes) -> str:
+    """As subprocess.run's text=True decodes: the locale's encoding, strict, universal newlines."""
+    return data.decode(_encoding()).replace("\r\n", "\n").replace("\r", "\n")
 
 
 # ---- the starter's side ----
@@ -279,6 +391,8 @@ def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int
         return args, cwd, env, fds
     for fd in fds:
         os.close(fd)
+    with contextlib.suppress(OSError):  # the test gone: the loop below kills the command
+        conn.sendall(CODE.pack(pid))
     pidfd = os.pidfd_open(pid)
     selector = selectors.DefaultSelector()
     selector.register(pidfd, selectors.EVENT_READ)
@@ -291,10 +405,16 @@ def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int
             elif conn.recv(1) in (b"k", b""):  # the test's timeout, or the test gone
                 os.kill(pid, signal.SIGKILL)
                 selector.unregister(conn)
-    _, status = os.waitpid(pid, 0)
+    # left a zombie until the test has its code and hangs up, so that its pid stays the command's
+    # while the test may still signal it, as a Popen's child does until it is waited for
+    info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
     try:
-        conn.sendall(CODE.pack(os.waitstatus_to_exitcode(status)))
+        with contextlib.suppress(OSError):
+            conn.sendall(CODE.pack(info.si_status if info.si_code == os.CLD_EXITED else -info.si_status))
+            while conn.recv(1):
+                pass
     finally:
+        os.waitpid(pid, 0)
         os._exit(0)
 
 

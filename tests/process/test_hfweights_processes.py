@@ -6,7 +6,6 @@ read memory-mapped by --init-from (every rank, or rank 0 and broadcast), written
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from safetensors import safe_open
 
 from ddpjob.checkpoint.formats import hf_safetensors, single_file
 from ddpjob.train import setup
-from helpers import PY, assert_bitwise_equal, clean_env, ddpjob, final_params, launched, ok, wait_until
+from helpers import assert_bitwise_equal, ddpjob, final_params, launched, ok, spawn, wait_until
 from ports import free_port
 
 SHORT = ["--epochs", "1", "--log-every", "1000"]
@@ -63,13 +62,13 @@ def test_a_rank_whose_storage_lacks_a_shard_waits_for_it_instead_of_failing(work
         shutil.copytree(work / "hf", work / f"node{rank}/hf")
     late = work / "node1/hf/model-00003-of-00003.safetensors"
     late.unlink()
-    env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = [PY, "-m", "ddpjob", "train", *UNMOVED, "--init-from", "hf", "--fs-timeout", "60"]
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    args = ["train", *UNMOVED, "--init-from", "hf", "--fs-timeout", "60"]
     logs = [work / f"node{rank}/log" for rank in (0, 1)]
     procs = []
     for rank, log in enumerate(logs):
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(cmd, cwd=log.parent, env={**env, "RANK": str(rank)}, stdout=out, stderr=out))
+            procs.append(spawn(args, log.parent, stdout=out, **env, RANK=str(rank)))
     wait_until(lambda: "waiting up to 60 s to see hf (incomplete" in logs[1].read_text(), 120, "rank 1 to wait")
     shutil.copyfile(work / "hf" / late.name, late)
     assert [p.wait(timeout=180) for p in procs] == [0, 0], logs[1].read_text()[-2000:]

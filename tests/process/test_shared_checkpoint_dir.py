@@ -5,7 +5,6 @@ for; a second live job is stopped; workers die with their agent; slow saves are 
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,10 +15,9 @@ from test_faults import JOB
 from ddpjob.checkpoint import catalogue
 from ddpjob.checkpoint.formats import dcp_folder, single_file
 from helpers import (
-    PY,
+    Process,
     alive,
     assert_bitwise_equal,
-    clean_env,
     ddpjob,
     final_params,
     launched,
@@ -81,24 +79,18 @@ def test_a_rank_waits_for_the_checkpoint_rank_0_chose_until_its_storage_shows_it
     last, as a lagging client sees them)."""
     flags = ["--log-every", "1000", "--epochs", "3", "--save-every", "0", "--fs-timeout", "60"]
 
-    def ranks(prefix: str, max_steps: int) -> list[tuple[subprocess.Popen, Path]]:
-        env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    def ranks(prefix: str, max_steps: int) -> list[tuple[Process, Path]]:
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         procs = []
         for r in (0, 1):
             log = work / f"{prefix}{r}.log"
             with open(log, "w") as out:
-                cmd = [PY, "-m", "ddpjob", "train", *flags, "--max-steps", str(max_steps)]
-                proc = subprocess.Popen(
-                    cmd,
-                    cwd=work,
-                    env={**env, "RANK": str(r), "DDPJOB_RUN_DIR": f"{prefix}{r}"},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
+                args = ["train", *flags, "--max-steps", str(max_steps)]
+                proc = spawn(args, work, stdout=out, **env, RANK=str(r), DDPJOB_RUN_DIR=f"{prefix}{r}")
             procs.append((proc, log))
         return procs
 
-    def finish(procs: list[tuple[subprocess.Popen, Path]]) -> list[str]:
+    def finish(procs: list[tuple[Process, Path]]) -> list[str]:
         codes = [p.wait(timeout=180) for p, _ in procs]
         outs = [log.read_text() for _, log in procs]
         assert codes == [0, 0], outs[1][-2000:]

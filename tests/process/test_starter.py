@@ -16,7 +16,7 @@ import pytest
 from tests.plugins.starter_probe import ENDINGS
 
 import starter
-from helpers import alive, clean_env, ddpjob
+from helpers import alive, clean_env, ddpjob, spawn, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +83,37 @@ def test_a_forked_command_ends_as_an_exec_d_one_would(work, how):
         [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("forked: ")][-1:] for proc in runs.values()
     ]
     assert last[0] == last[1], last
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_started_command_is_signalled_waited_for_and_read_as_a_popen_one_would_be(work, sig):
+    """helpers.spawn's fork (starter.Started) against the same command exec'd (subprocess.Popen): its
+    pid is the command's; poll, wait and communicate with a timeout say it runs; a signal in its set-up
+    ends it with the same exit code and last line (TERM is kept until training checks for a stop)."""
+    ends = {}
+    for fresh in (True, False):
+        cwd = work / ("exec" if fresh else "fork")
+        cwd.mkdir()
+        pid_file = cwd / "pid"
+        model = f"tests.plugins.starter_probe:sleeper(pid_file={str(pid_file)!r}, seconds=2)"
+        proc = spawn(["train", "--model", model], cwd, fresh=fresh, **TEST)
+        try:
+            wait_until(pid_file.exists, 60, "the model factory")
+            pid, forked = pid_file.read_text().split()
+            assert (int(pid), forked) == (proc.pid, str(not fresh))
+            assert proc.poll() is None
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.1)
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.communicate(timeout=0.1)
+            proc.send_signal(sig)
+            out = proc.communicate(timeout=60)[0]
+        finally:
+            proc.kill()
+        last = out.replace(str(cwd), "cwd").strip().splitlines()[-1:]  # each ran in a folder of its own
+        ends[fresh] = (proc.returncode, proc.poll(), proc.wait(), last)
+    assert ends[True] == ends[False], ends
+    assert ends[True][0] == (-signal.SIGKILL if sig == signal.SIGKILL else 75), ends  # kept, then a stop
 
 
 def test_a_second_draw_in_one_test_differs_too(work):
