@@ -86,10 +86,16 @@ process-serial: setup
 # One target at a time, also under make -j: the tiers time themselves against each other's load.
 .NOTPARALLEL:
 
-# Before a commit: lint and the unit tier (no processes).
-check: lint unit
+# Before a commit: lint and the unit tier (no processes), side by side (both mostly use one core);
+# lint's output follows the unit tier's. Ctrl-C reaches both, as TERM or HUP to the recipe does.
+check: setup
+	@mkdir -p runs
+	@$(FINISH); trap 'kill -INT $$lp 2>/dev/null' TERM HUP; trap : INT; \
+	tests/background.sh --normal $(MAKE) --no-print-directory lint > runs/lint.log 2>&1 & lp=$$!; \
+	$(MAKE) --no-print-directory unit; unit=$$?; finish $$lp; lint=$$?; \
+	echo "---- lint, beside the unit tier (runs/lint.log) ----"; cat runs/lint.log; [ $$lint -eq 0 ] && [ $$unit -eq 0 ]
 
-test: lint unit process
+test: check process
 
 # How flaky the timing-sensitive tests are: the `serial` tests N times over, as `make process` runs
 # them (beside LOAD busy loops run as background work in place of the parallel tier; LOAD=0 for none;

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import pickle
 import select
@@ -40,7 +41,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 from ddpjob.launch import worker_fork
 
@@ -165,7 +166,12 @@ def _fork(
 ) -> tuple[socket.socket, int]:
     """Has this test process's starter of ``kind`` fork the command, with ``fds`` as its stdin, stdout
     and stderr: the connection to its keeper, and the command's pid."""
-    path = _starter(kind, starter_env)
+    return _fork_at(_starter(kind, starter_env), kind, args, cwd, env, fds)
+
+
+def _fork_at(
+    path: str, kind: str, args: Sequence[str], cwd: Path, env: dict[str, str], fds: list[int]
+) -> tuple[socket.socket, int]:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
@@ -337,6 +343,53 @@ def _encoding() -> str:
 def _text(data: bytes) -> str:
     """As subprocess.run's text=True decodes: the locale's encoding, strict, universal newlines."""
     return data.decode(_encoding()).replace("\r\n", "\n").replace("\r", "\n")
+
+
+# ---- a `ddpjob` on PATH that forks from the test's starters (tests/process/test_docs.py) ----
+
+SHIM_VARIABLE = "TEST_DDPJOB_STARTERS"  # the starters' sockets and start-up view, for the shim only
+SHIM = """#!{python}
+import sys
+sys.path.insert(0, {tests!r})
+import starter
+starter.shim_main()
+"""
+
+
+def shim(folder: Path, starter_env: dict[str, str], kinds: Sequence[str]) -> dict[str, str]:
+    """A ``ddpjob`` in ``folder`` that runs ``python -m ddpjob ARGS`` forked from this test process's
+    starters of ``kinds`` for ``starter_env`` (started here), exec'd where run() would exec it or no
+    starter of its kind was asked for; the variables that put it first on PATH and tell it where the
+    starters listen."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "ddpjob"
+    script.write_text(SHIM.format(python=sys.executable, tests=str(Path(__file__).parent)))
+    script.chmod(0o755)
+    sockets = {kind: _starter(kind, starter_env) for kind in kinds}
+    info = json.dumps({"sockets": sockets, "view": startup_view(starter_env)})
+    return {"PATH": f"{folder}:{starter_env['PATH']}", SHIM_VARIABLE: info}
+
+
+def shim_main() -> NoReturn:
+    """The shim's command: forked from the starter of its kind, or exec'd where it must be; signals
+    sent to the shim are passed on, and it ends as the command did (its exit code, or the signal that
+    ended it)."""
+    info = json.loads(os.environ.pop(SHIM_VARIABLE))
+    args, cwd, env = sys.argv[1:], Path.cwd(), dict(os.environ)
+    kind = kind_of(args, cwd, env, info["view"])
+    if kind not in info["sockets"]:
+        os.execv(sys.executable, [sys.executable, "-m", "ddpjob", *args])
+    conn, pid = _fork_at(info["sockets"][kind], kind, args, cwd, env, [0, 1, 2])
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda number, _: os.kill(pid, number))
+    answer = receive(conn, CODE.size)
+    if len(answer) != CODE.size:
+        raise SystemExit(f"the {kind} starter's keeper ended without the command's exit code")
+    code = CODE.unpack(answer)[0]
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
 
 
 # ---- the starter's side ----

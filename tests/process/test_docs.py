@@ -3,7 +3,8 @@
 Commands are the lines of ```sh blocks and the `$ ` lines of any block (of a ```sh block too, when it
 shows a transcript). Each page's commands run in
 order in one scratch directory (so `ddpjob plot runs/x` sees the run a line above made), with the
-repository importable and `ddpjob` on PATH; a command that names neither `--epochs` nor `--max-steps`
+repository importable and `ddpjob` on PATH (`python -m ddpjob` forked from a starter: tests/starter.py's
+shim); a command that names neither `--epochs` nor `--max-steps`
 gets `DDPJOB_MAX_STEPS=4`, so that the demo's default 10 epochs stay short. A `$ `
 line followed by `ddpjob: error:` must exit 2; every other command must exit 0. A command that
 cannot run here matches one row of SKIPPED, with its reason; any other command runs.
@@ -16,11 +17,13 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import starter
 from helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -118,6 +121,15 @@ def test_every_test_file_the_docs_name_exists():
     assert named and sorted(m for m in named if not (REPO / m).is_file()) == []
 
 
+def torch_kind(cmd: Command) -> str | None:
+    """The starter kind of a `ddpjob` command that runs and gets as far as importing torch (bad input
+    exits before), else None."""
+    found = re.match(r"(\w+=\S+\s+)*ddpjob\s+(\S+)", cmd.text)
+    if not found or cmd.expect or skip_reason(cmd.text):
+        return None
+    return "launch" if found[2] == "launch" else "plain"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_command_on_the_page_runs_as_written(page, tmp_path):
     tree = tmp_path / "repo"  # the page's commands run in a fresh copy of the checkout, as a reader's would
@@ -134,6 +146,11 @@ def test_every_command_on_the_page_runs_as_written(page, tmp_path):
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
     )
+    # `ddpjob` is `python -m ddpjob`, forked from a starter that has imported torch (tests/starter.py,
+    # test_starter compares the two), of each kind the page runs twice or more (a starter costs about
+    # what it saves a command); the Makefile's targets run the venv's console script
+    kinds = Counter(kind for c in commands(page) if (kind := torch_kind(c)))
+    env.update(starter.shim(tmp_path / "bin", env, sorted(k for k, n in kinds.items() if n > 1)))
     ran = 0
     for cmd in commands(page):
         if skip_reason(cmd.text):
