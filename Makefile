@@ -50,8 +50,9 @@ lint: setup
 	$(BIN)/shellcheck -x slurm/*.sbatch slurm/*.sh docker/*.sh tests/*.sh tests/e2e/*.sh tests/gpu/*.sh bench/*.sh .ci/run
 
 # The unit tier: in process, no subprocesses (tests/unit/conftest.py refuses one); seconds.
+PYTEST_UNIT = $(BIN)/pytest -q tests/unit
 unit: setup
-	$(BIN)/pytest -q tests/unit
+	$(PYTEST_UNIT)
 
 # Real torchrun and subprocesses. The parallel tier (PARALLEL at a time, 3: a third fills the time the
 # others sleep in; the tests sharing a reference run or a server on one worker: tests/conftest.py)
@@ -87,12 +88,14 @@ process-serial: setup
 .NOTPARALLEL:
 
 # Before a commit: lint and the unit tier (no processes), side by side (both mostly use one core);
-# lint's output follows the unit tier's. Ctrl-C reaches both, as TERM or HUP to the recipe does.
+# lint's output follows the unit tier's. Ctrl-C reaches both; TERM or HUP to the recipe ends both
+# (the unit tier's pytest by an interrupt, lint's make by TERM, which make passes on to its command).
 check: setup
 	@mkdir -p runs
-	@$(FINISH); trap 'kill -INT $$lp 2>/dev/null' TERM HUP; trap : INT; \
+	@$(FINISH); trap 'kill -INT $$up 2>/dev/null; kill -TERM $$lp 2>/dev/null' TERM HUP; trap : INT; \
 	tests/background.sh --normal $(MAKE) --no-print-directory lint > runs/lint.log 2>&1 & lp=$$!; \
-	$(MAKE) --no-print-directory unit; unit=$$?; finish $$lp; lint=$$?; \
+	tests/background.sh --normal $(PYTEST_UNIT) & up=$$!; \
+	finish $$up; unit=$$?; finish $$lp; lint=$$?; \
 	echo "---- lint, beside the unit tier (runs/lint.log) ----"; cat runs/lint.log; [ $$lint -eq 0 ] && [ $$unit -eq 0 ]
 
 test: check process

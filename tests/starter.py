@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, NoReturn
 
@@ -153,12 +153,21 @@ def _starter(kind: str, starter_env: dict[str, str]) -> str:
 def _stop_starters(owner: int) -> None:
     if os.getpid() != owner:  # a fork of the test process exits: the starters are not its own
         return
-    for (pid, _, _), (proc, path) in list(_STARTERS.items()):
-        if pid == owner:
-            proc.kill()
-            proc.wait()
-            Path(path).unlink(missing_ok=True)
-            Path(path).parent.rmdir()
+    for key in list(_STARTERS):
+        if key[0] == owner:
+            _stop(key)
+
+
+def _stop(key: tuple[int, str, str]) -> None:
+    """Stops the starter of that key, if it is there."""
+    with _LOCK:
+        found = _STARTERS.pop(key, None)
+    if found is not None:
+        proc, path = found
+        proc.kill()
+        proc.wait()
+        Path(path).unlink(missing_ok=True)
+        Path(path).parent.rmdir()
 
 
 def _fork(
@@ -272,7 +281,14 @@ class Started:
         # text, universal newlines: Popen's text=True; closed by communicate(), as Popen's
         self.stdout = open(out_r, encoding=_encoding())  # noqa: SIM115
         self._output: list[str] = []
+        self._failed: Exception | None = None
         self._reader: threading.Thread | None = None
+
+    def _read(self, stdout: IO[str]) -> None:
+        try:
+            self._output.append(stdout.read())
+        except Exception as error:  # raised again in the test's thread by communicate()
+            self._failed = error
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
@@ -281,7 +297,9 @@ class Started:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self._conn.settimeout(timeout)
+            if timeout is not None and timeout <= 0 and not select.select([self._conn], [], [], 0)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)  # settimeout(0) would not block at all
+            self._conn.settimeout(timeout if timeout is None or timeout > 0 else None)
             try:
                 answer = receive(self._conn, CODE.size)  # sent whole, or not yet
             except TimeoutError:
@@ -292,26 +310,29 @@ class Started:
             self._conn.close()
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, None]:
         """The output to its end (also what a line-by-line read left), then the exit code."""
         deadline = time.monotonic() + timeout if timeout is not None else None
         stdout = self.stdout
         if stdout is None:  # written to a file: only the end to wait for
             self.wait(timeout)
-            return "", None
+            return None, None
         if self._reader is None:
-            self._reader = threading.Thread(target=lambda: self._output.append(stdout.read()), daemon=True)
+            self._reader = threading.Thread(target=self._read, args=(stdout,), daemon=True)
             self._reader.start()
         self._reader.join(timeout)
         if self._reader.is_alive():
             raise subprocess.TimeoutExpired(self.args, timeout)
+        if self._failed is not None:  # as Popen's communicate raises it (a byte the encoding cannot read)
+            raise self._failed
         stdout.close()
         self.wait(max(deadline - time.monotonic(), 0) if deadline is not None else None)
         return "".join(self._output), None
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # as Popen: until its code is read, the pid is the command's (a zombie)
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -356,27 +377,33 @@ starter.shim_main()
 """
 
 
-def shim(folder: Path, starter_env: dict[str, str], kinds: Sequence[str]) -> dict[str, str]:
-    """A ``ddpjob`` in ``folder`` that runs ``python -m ddpjob ARGS`` forked from this test process's
-    starters of ``kinds`` for ``starter_env`` (started here), exec'd where run() would exec it or no
-    starter of its kind was asked for; the variables that put it first on PATH and tell it where the
-    starters listen."""
+@contextlib.contextmanager
+def shim(folder: Path, starter_env: dict[str, str], kinds: Sequence[str]) -> Iterator[dict[str, str]]:
+    """A ``ddpjob`` in ``folder`` that runs ``ddpjob train`` and ``ddpjob launch`` as ``python -m ddpjob
+    ARGS`` forked from this test process's starters of ``kinds`` for ``starter_env`` (started here, and
+    stopped when the block ends), exec'd where run() would exec them or no starter of their kind was
+    asked for; any other command (the tools) exec'd. Yields the variables that put it first on PATH
+    and tell it where the starters listen."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "ddpjob"
     script.write_text(SHIM.format(python=sys.executable, tests=str(Path(__file__).parent)))
     script.chmod(0o755)
     sockets = {kind: _starter(kind, starter_env) for kind in kinds}
     info = json.dumps({"sockets": sockets, "view": startup_view(starter_env)})
-    return {"PATH": f"{folder}:{starter_env['PATH']}", SHIM_VARIABLE: info}
+    try:
+        yield {"PATH": f"{folder}:{starter_env['PATH']}", SHIM_VARIABLE: info}
+    finally:
+        for kind in kinds:
+            _stop(starter_key(kind, starter_env))
 
 
 def shim_main() -> NoReturn:
     """The shim's command: forked from the starter of its kind, or exec'd where it must be; signals
     sent to the shim are passed on, and it ends as the command did (its exit code, or the signal that
     ended it)."""
-    info = json.loads(os.environ.pop(SHIM_VARIABLE))
+    info = json.loads(os.environ.pop(SHIM_VARIABLE, "null")) or {"sockets": {}, "view": {}}
     args, cwd, env = sys.argv[1:], Path.cwd(), dict(os.environ)
-    kind = kind_of(args, cwd, env, info["view"])
+    kind = kind_of(args, cwd, env, info["view"]) if args[:1] in (["train"], ["launch"]) else None
     if kind not in info["sockets"]:
         os.execv(sys.executable, [sys.executable, "-m", "ddpjob", *args])
     conn, pid = _fork_at(info["sockets"][kind], kind, args, cwd, env, [0, 1, 2])
@@ -386,8 +413,9 @@ def shim_main() -> NoReturn:
     if len(answer) != CODE.size:
         raise SystemExit(f"the {kind} starter's keeper ended without the command's exit code")
     code = CODE.unpack(answer)[0]
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+    if code < 0:  # ended by a signal: so is the shim, as the shell reads it (128 + N)
+        with contextlib.suppress(OSError, ValueError):  # KILL and STOP keep their default action anyway
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
@@ -442,30 +470,33 @@ def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int
     if pid == 0:
         conn.detach()  # its descriptor becomes /dev/null with the rest (_become_the_command)
         return args, cwd, env, fds
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's: it shares the test's process group
     for fd in fds:
         os.close(fd)
-    with contextlib.suppress(OSError):  # the test gone: the loop below kills the command
-        conn.sendall(CODE.pack(pid))
-    pidfd = os.pidfd_open(pid)
-    selector = selectors.DefaultSelector()
-    selector.register(pidfd, selectors.EVENT_READ)
-    selector.register(conn, selectors.EVENT_READ)
-    ended = False
-    while not ended:
-        for key, _ in selector.select():
-            if key.fd == pidfd:
-                ended = True
-            elif conn.recv(1) in (b"k", b""):  # the test's timeout, or the test gone
-                os.kill(pid, signal.SIGKILL)
-                selector.unregister(conn)
-    # left a zombie until the test has its code and hangs up, so that its pid stays the command's
-    # while the test may still signal it, as a Popen's child does until it is waited for
-    info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
     try:
+        with contextlib.suppress(OSError):  # the test gone: the loop below kills the command
+            conn.sendall(CODE.pack(pid))
+        pidfd = os.pidfd_open(pid)
+        selector = selectors.DefaultSelector()
+        selector.register(pidfd, selectors.EVENT_READ)
+        selector.register(conn, selectors.EVENT_READ)
+        ended = False
+        while not ended:
+            for key, _ in selector.select():
+                if key.fd == pidfd:
+                    ended = True
+                elif conn.recv(1) in (b"k", b""):  # the test's timeout, or the test gone
+                    os.kill(pid, signal.SIGKILL)
+                    selector.unregister(conn)
+        # left a zombie until the test has its code and hangs up, so that its pid stays the command's
+        # while the test may still signal it, as a Popen's child does until it is waited for
+        info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
         with contextlib.suppress(OSError):
             conn.sendall(CODE.pack(info.si_status if info.si_code == os.CLD_EXITED else -info.si_status))
             while conn.recv(1):
                 pass
+    except BaseException:  # the test gone mid-answer (a reset), or anything else: never an orphan
+        os.kill(pid, signal.SIGKILL)
     finally:
         os.waitpid(pid, 0)
         os._exit(0)

@@ -122,9 +122,9 @@ def test_every_test_file_the_docs_name_exists():
 
 
 def torch_kind(cmd: Command) -> str | None:
-    """The starter kind of a `ddpjob` command that runs and gets as far as importing torch (bad input
-    exits before), else None."""
-    found = re.match(r"(\w+=\S+\s+)*ddpjob\s+(\S+)", cmd.text)
+    """The starter kind of a `ddpjob train` or `launch` command that runs and gets as far as importing
+    torch (bad input exits before), else None."""
+    found = re.match(r"(\w+=\S+\s+)*ddpjob\s+(train|launch)\b", cmd.text)
     if not found or cmd.expect or skip_reason(cmd.text):
         return None
     return "launch" if found[2] == "launch" else "plain"
@@ -146,11 +146,16 @@ def test_every_command_on_the_page_runs_as_written(page, tmp_path):
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
     )
-    # `ddpjob` is `python -m ddpjob`, forked from a starter that has imported torch (tests/starter.py,
-    # test_starter compares the two), of each kind the page runs twice or more (a starter costs about
-    # what it saves a command); the Makefile's targets run the venv's console script
+    # `ddpjob train` and `launch` are `python -m ddpjob`, forked from a starter that has imported torch
+    # (tests/starter.py; test_starter compares the two), of each kind the page runs twice or more (a
+    # starter costs about what it saves a command); the tools start afresh, and the Makefile's targets
+    # run the venv's console script
     kinds = Counter(kind for c in commands(page) if (kind := torch_kind(c)))
-    env.update(starter.shim(tmp_path / "bin", env, sorted(k for k, n in kinds.items() if n > 1)))
+    with starter.shim(tmp_path / "bin", env, sorted(k for k, n in kinds.items() if n > 1)) as shimmed:
+        run_the_commands(page, tree, {**env, **shimmed})
+
+
+def run_the_commands(page: Path, tree: Path, env: dict[str, str]) -> None:
     ran = 0
     for cmd in commands(page):
         if skip_reason(cmd.text):

@@ -102,8 +102,9 @@ def test_a_started_command_is_signalled_waited_for_and_read_as_a_popen_one_would
             pid, forked = pid_file.read_text().split()
             assert (int(pid), forked) == (proc.pid, str(not fresh))
             assert proc.poll() is None
-            with pytest.raises(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.1)
+            for timeout in (0, 0.1):
+                with pytest.raises(subprocess.TimeoutExpired):
+                    proc.wait(timeout=timeout)
             with pytest.raises(subprocess.TimeoutExpired):
                 proc.communicate(timeout=0.1)
             proc.send_signal(sig)
@@ -114,6 +115,18 @@ def test_a_started_command_is_signalled_waited_for_and_read_as_a_popen_one_would
         ends[fresh] = (proc.returncode, proc.poll(), proc.wait(), last)
     assert ends[True] == ends[False], ends
     assert ends[True][0] == (-signal.SIGKILL if sig == signal.SIGKILL else 75), ends  # kept, then a stop
+
+
+def test_a_started_command_writes_to_a_file_as_a_popen_one_would(work):
+    """spawn(stdout=FILE): stdout and stderr both in the file, nothing to read, the same exit code."""
+    ends = {}
+    for fresh in (True, False):
+        log = work / f"{fresh}.log"
+        with open(log, "w") as out:
+            proc = spawn(["config", "--epochs", "0"], work, fresh=fresh, stdout=out)  # bad input: exit 2
+        ends[fresh] = (proc.communicate(timeout=60), proc.returncode, log.read_text())
+    assert ends[True] == ends[False], ends
+    assert ends[True][1] == 2 and "ddpjob: error: --epochs" in ends[True][2], ends
 
 
 def test_a_second_draw_in_one_test_differs_too(work):
