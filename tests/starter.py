@@ -381,16 +381,16 @@ starter.shim_main()
 def shim(folder: Path, starter_env: dict[str, str], kinds: Sequence[str]) -> Iterator[dict[str, str]]:
     """A ``ddpjob`` in ``folder`` that runs ``ddpjob train`` and ``ddpjob launch`` as ``python -m ddpjob
     ARGS`` forked from this test process's starters of ``kinds`` for ``starter_env`` (started here, and
-    stopped when the block ends), exec'd where run() would exec them or no starter of their kind was
-    asked for; any other command (the tools) exec'd. Yields the variables that put it first on PATH
-    and tell it where the starters listen."""
+    stopped when the block ends); where run() would exec them, no starter of their kind was asked for,
+    or for any other command (the tools), it execs the venv's ``ddpjob`` console script. Yields the
+    variables that put it first on PATH and tell it where the starters listen."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "ddpjob"
     script.write_text(SHIM.format(python=sys.executable, tests=str(Path(__file__).parent)))
     script.chmod(0o755)
-    sockets = {kind: _starter(kind, starter_env) for kind in kinds}
-    info = json.dumps({"sockets": sockets, "view": startup_view(starter_env)})
     try:
+        sockets = {kind: _starter(kind, starter_env) for kind in kinds}
+        info = json.dumps({"sockets": sockets, "view": startup_view(starter_env)})
         yield {"PATH": f"{folder}:{starter_env['PATH']}", SHIM_VARIABLE: info}
     finally:
         for kind in kinds:
@@ -404,8 +404,8 @@ def shim_main() -> NoReturn:
     info = json.loads(os.environ.pop(SHIM_VARIABLE, "null")) or {"sockets": {}, "view": {}}
     args, cwd, env = sys.argv[1:], Path.cwd(), dict(os.environ)
     kind = kind_of(args, cwd, env, info["view"]) if args[:1] in (["train"], ["launch"]) else None
-    if kind not in info["sockets"]:
-        os.execv(sys.executable, [sys.executable, "-m", "ddpjob", *args])
+    if kind not in info["sockets"]:  # the console script the shim stands in front of
+        os.execv(Path(sys.executable).with_name("ddpjob"), ["ddpjob", *args])
     conn, pid = _fork_at(info["sockets"][kind], kind, args, cwd, env, [0, 1, 2])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda number, _: os.kill(pid, number))
@@ -457,6 +457,7 @@ def _serve(path: str, parent: int) -> tuple[list[str], str, dict[str, str], list
 def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int]]:
     """The keeper: fork the command, kill it if the test asks, answer its exit code, then exit.
     Returns only in the command's process."""
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's: it shares the test's group
     message, fds, _, _ = socket.recv_fds(conn, SIZE.size + (1 << 20), 3)
     if len(message) < SIZE.size:
         message += receive(conn, SIZE.size - len(message))
@@ -468,9 +469,9 @@ def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int
     worker_fork._flush_all()  # python's and C's buffers: else every command would write them again
     pid = os.fork()
     if pid == 0:
+        signal.signal(signal.SIGINT, interrupt)
         conn.detach()  # its descriptor becomes /dev/null with the rest (_become_the_command)
         return args, cwd, env, fds
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the command's: it shares the test's process group
     for fd in fds:
         os.close(fd)
     try:
