@@ -193,7 +193,12 @@ def test_a_node_lost_mid_run_leaves_the_other_to_finish_the_same_run_alone(tmp_p
     nodes = [node(tmp_path, port, rank, "--checkpoint-format", fmt) for rank in (0, 1)]
     wait_until(lambda: trained_steps(run_dir) >= 12, 120, "step 12")
     os.kill(nodes[1].pid, signal.SIGKILL)  # the whole agent: its worker follows it (exit_with_parent, within 1 s)
-    wait_until(lambda: any(r["event"] == "resize" for r in records(run_dir)), 120, "the group to shrink")
+    try:
+        wait_until(lambda: any(r["event"] == "resize" for r in records(run_dir)), 120, "the group to shrink")
+    except AssertionError as error:  # what node 0 said and the records, for the cause (seen once under load)
+        nodes[0].kill()
+        out = nodes[0].communicate(timeout=60)[0]
+        raise AssertionError(f"{error}\nrecords: {records(run_dir)[-5:]}\nnode 0: {out[-3000:]}") from None
     (tmp_path / "samples/acted").touch()
     out = nodes[0].communicate(timeout=300)[0]
     assert nodes[0].returncode == 0, out[-3000:]
