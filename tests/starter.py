@@ -234,7 +234,7 @@ def run(
                     selector.unregister(key.fd)
         conn.settimeout(max(deadline - time.monotonic(), 0.001))  # the command's end, as wait(timeout) waits
         try:
-            answer = receive(conn, CODE.size)
+            code = _exit_code(conn, kind)
         except TimeoutError:
             _kill(conn)
             raise subprocess.TimeoutExpired(cmd, timeout) from None  # as wait() raises it: no output
@@ -243,10 +243,16 @@ def run(
         conn.close()
         os.close(out_r)
         os.close(err_r)
+    out, err = (_text(b"".join(chunks[fd])) for fd in (out_r, err_r))
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def _exit_code(conn: socket.socket, kind: str) -> int:
+    """The command's exit code, as its keeper answers it once the command has ended (sent whole)."""
+    answer = receive(conn, CODE.size)
     if len(answer) != CODE.size:
         raise RuntimeError(f"the {kind} starter's keeper ended without the command's exit code")
-    out, err = (_text(b"".join(chunks[fd])) for fd in (out_r, err_r))
-    return subprocess.CompletedProcess(cmd, CODE.unpack(answer)[0], out, err)
+    return CODE.unpack(answer)[0]
 
 
 class Started:
@@ -266,6 +272,7 @@ class Started:
     ) -> None:
         self.args = [sys.executable, "-m", "ddpjob", *args]
         self.returncode: int | None = None
+        self._kind = kind
         self.stdout: IO[str] | None = None
         if stdout is not None:  # Popen's stdout=FILE, stderr=STDOUT
             self._conn, self.pid = _fork(args, cwd, env, kind, starter_env, [0, stdout.fileno(), stdout.fileno()])
@@ -301,12 +308,9 @@ class Started:
                 raise subprocess.TimeoutExpired(self.args, timeout)  # settimeout(0) would not block at all
             self._conn.settimeout(timeout if timeout is None or timeout > 0 else None)
             try:
-                answer = receive(self._conn, CODE.size)  # sent whole, or not yet
+                self.returncode = _exit_code(self._conn, self._kind)
             except TimeoutError:
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
-            if len(answer) != CODE.size:
-                raise RuntimeError("the starter's keeper ended without the command's exit code")
-            self.returncode = CODE.unpack(answer)[0]
             self._conn.close()
         return self.returncode
 
@@ -409,10 +413,7 @@ def shim_main() -> NoReturn:
     conn, pid = _fork_at(info["sockets"][kind], kind, args, cwd, env, [0, 1, 2])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda number, _: os.kill(pid, number))
-    answer = receive(conn, CODE.size)
-    if len(answer) != CODE.size:
-        raise SystemExit(f"the {kind} starter's keeper ended without the command's exit code")
-    code = CODE.unpack(answer)[0]
+    code = _exit_code(conn, kind)
     if code < 0:  # ended by a signal: so is the shim, as the shell reads it (128 + N)
         with contextlib.suppress(OSError, ValueError):  # KILL and STOP keep their default action anyway
             signal.signal(-code, signal.SIG_DFL)
