@@ -11,17 +11,25 @@ exits 2. On a worker, train.output_prefix puts ``[node N rank R]`` before every 
 from __future__ import annotations
 
 import sys
+from typing import TextIO
 
 PREFIX = "[ddpjob]"
 
 
+def _line(stream: TextIO, text: str) -> None:
+    """One write per line (print writes the text and its newline apart, and another thread's line
+    could land between them), then flush."""
+    stream.write(f"{PREFIX} {text}\n")
+    stream.flush()
+
+
 def info(message: str) -> None:
-    print(f"{PREFIX} {message}", flush=True)
+    _line(sys.stdout, message)
 
 
 def warning(message: str) -> None:
-    print(f"{PREFIX} warning: {message}", file=sys.stderr, flush=True)
+    _line(sys.stderr, f"warning: {message}")
 
 
 def failure(message: str) -> None:
-    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+    _line(sys.stderr, message)

@@ -1,31 +1,40 @@
 """Worker log lines that say where they come from.
 
 Every line a worker writes to stdout/stderr is prefixed with ``[node N rank R]`` (the heartbeat
-that shows a stuck rank is watchdog.start_watchdog's).
+that shows a stuck rank is watchdog.start_watchdog's). Threads write through one lock per stream,
+so that the heartbeat thread and the loop cannot leave a line without its prefix.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any, TextIO
 
 from ddpjob.distenv import DistEnv
 
 
 class PrefixedStream:
-    """A text stream that starts every line with a fixed prefix."""
+    """A text stream that starts every line with a fixed prefix, safe to write from several threads.
+
+    The choice of prefix and the write to the stream it wraps happen under one lock: otherwise a
+    thread could find itself mid-line (another thread's line begun but not yet written), write its
+    own line without a prefix and have it land first.
+    """
 
     def __init__(self, stream: TextIO, prefix: str) -> None:
         self.stream, self.prefix, self.at_line_start = stream, prefix, True
+        self.lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        out = []
-        for piece in text.splitlines(keepends=True):
-            if self.at_line_start:
-                out.append(self.prefix)
-            out.append(piece)
-            self.at_line_start = piece.endswith("\n")
-        self.stream.write("".join(out))
+        with self.lock:
+            out = []
+            for piece in text.splitlines(keepends=True):
+                if self.at_line_start:
+                    out.append(self.prefix)
+                out.append(piece)
+                self.at_line_start = piece.endswith("\n")
+            self.stream.write("".join(out))
         return len(text)
 
     def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding ...
