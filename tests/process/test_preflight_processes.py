@@ -4,6 +4,7 @@
 (The tests of test_preflight.py that start processes.)
 """
 
+import itertools
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, clean_env, ddpjob
+from helpers import PY, clean_env, ddpjob, in_every_worker
 from ports import free_port
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="creates network namespaces (root)")
@@ -138,6 +139,42 @@ def test_all_nodes_on_equal_links_names_no_node_and_exits_0(work, three_hosts):
     codes, out = run_nodes(work, three_hosts, "--slow-factor", "0.25")
     assert codes == [0, 0, 0], out[-3000:]
     assert "preflight: ok: no node or link below 0.25x the median" in out and "SLOW" not in out
+
+
+MATMUL_TIMES = """
+import os, time, torch
+
+_mm = torch.mm
+
+
+def _timed(*args, **kwargs):
+    start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+    out = _mm(*args, **kwargs)
+    with open(os.path.join(os.environ["MATMUL_TIMES"], os.environ["RANK"]), "a") as f:
+        f.write(f"{start} {time.monotonic()}\\n")
+    return out
+
+
+torch.mm = _timed
+"""
+
+
+@pytest.mark.slow
+def test_cpu_ranks_on_one_machine_measure_their_matmul_one_after_another(work, tmp_path):
+    """Ranks that share cores and measure at once count each other's threads as their own slowness
+    (two emulated Slurm nodes on one host read 29.5 and 156 GFLOP/s, and the first was named SLOW)."""
+    times = tmp_path / "times"
+    times.mkdir()
+    env = {**in_every_worker(tmp_path / "site", MATMUL_TIMES), "MATMUL_TIMES": str(times)}
+    proc = ddpjob(["doctor", "--all-nodes", "--nproc-per-node", "3"], work, timeout=180, **env)
+    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-2000:]  # 1: a slow rank on a busy host
+    calls = {
+        int(f.name): [tuple(map(float, line.split())) for line in f.read_text().splitlines()] for f in times.iterdir()
+    }
+    assert sorted(calls) == [0, 1, 2] and all(len(c) == 3 * 21 for c in calls.values()), calls.keys()
+    spans = sorted((start, end, rank) for rank, c in calls.items() for start, end in c)
+    overlaps = [(a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1] and a[2] != b[2]]
+    assert overlaps == []
 
 
 @pytest.mark.serial  # against the rendezvous deadline

@@ -2,7 +2,7 @@
 "nodes" (network namespaces on a bridge) with one node's link rate-limited by tc."""
 
 from ddpjob.launch.plan import Plan
-from ddpjob.tools.doctor_all_nodes import assess, exclusion, preflight_plan, render, round_robin
+from ddpjob.tools.doctor_all_nodes import assess, exclusion, matmul_turn, preflight_plan, render, round_robin
 
 GB = 1e9
 
@@ -100,3 +100,17 @@ def test_the_exclusion_line_follows_the_detected_scheduler():
     assert plain[0] == "Slurm: leave them out with  sbatch --exclude=host-1 ..." and "cordon gpu-node-7" in plain[1]
     pod = assess([figures(0), figures(1, matmul=5 * GB), figures(2)], 0.5, 0).nodes[1:2]
     assert "set NODE_NAME from spec.nodeName" in exclusion(pod, "kubernetes")[-1]
+
+
+def test_cpu_ranks_of_one_machine_measure_matmul_in_turns_and_machines_and_gpus_at_once():
+    def ranks(kernels, device="cpu"):
+        return [{"rank": r, "kernel": k, "device": device} for r, k in enumerate(kernels)]
+
+    two_machines = ranks(["a", "a", "a", "b", "b"])
+    assert [matmul_turn(two_machines, r) for r in range(5)] == [(0, 3), (1, 3), (2, 3), (0, 3), (1, 3)]
+    one_each = ranks(["a", "b", "c"])
+    assert [matmul_turn(one_each, r) for r in range(3)] == [(0, 1)] * 3
+    unknown = ranks(["", ""])  # no boot id to read: taken as one machine
+    assert [matmul_turn(unknown, r) for r in range(2)] == [(0, 2), (1, 2)]
+    gpus = ranks(["a", "a", "b", "b"], device="cuda")
+    assert [matmul_turn(gpus, r) for r in range(4)] == [(0, 1)] * 4

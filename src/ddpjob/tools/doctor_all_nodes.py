@@ -3,7 +3,9 @@
 It starts through launch's own path (the scheduler's env, torchrun agents, the c10d rendezvous
 on node 0), with this module as the worker instead of ``ddpjob train``. Each rank measures:
 
-- matmul speed (its own device, all ranks at once);
+- matmul speed: GPU ranks all at once (each has its own device, and the node is measured under full
+  load); CPU ranks on one machine one after another, machines at once (ranks that share cores
+  would count each other's threads as their own slowness);
 - all-reduce time, algorithm and bus bandwidth (busbw = algbw x 2(n-1)/n, as nccl-tests) at a
   few sizes: a collective figure, the same for every node;
 - point-to-point links between the nodes' local rank 0s, every pair once (round-robin, pairs of
@@ -25,6 +27,7 @@ by --startup-timeout, every later collective by --collective-timeout.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import socket
@@ -32,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ddpjob import log
@@ -147,6 +151,39 @@ def matmul_flops(device: Any, tries: int = 20) -> float:
     return 2 * n**3 / best
 
 
+def kernel_id() -> str:
+    """The running kernel's boot id: one per machine, shared by its containers and network
+    namespaces (a host name is not: each container has its own); "" where it cannot be read."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def matmul_turn(everyone: Sequence[dict[str, Any]], rank: int) -> tuple[int, int]:
+    """(this rank's turn, the number of turns) to measure matmul in. GPU ranks: one turn for all.
+    CPU ranks: one turn per rank of a machine (a kernel), machines in parallel. Decided from what
+    every rank gathered, so that every rank agrees on the number of turns (of barriers)."""
+    if any(r["device"] != "cpu" for r in everyone):
+        return 0, 1
+    mine = everyone[rank]["kernel"]
+    turn = sum(r["kernel"] == mine for r in everyone[:rank])
+    return turn, max(collections.Counter(r["kernel"] for r in everyone).values())
+
+
+def matmul_in_turns(device: Any, turn: int, turns: int) -> float:
+    """matmul_flops measured in this rank's turn, with a barrier between turns."""
+    import torch.distributed as dist
+
+    flops = 0.0
+    for t in range(turns):
+        if t == turn:
+            flops = matmul_flops(device)
+        if turns > 1:
+            dist.barrier()
+    return flops
+
+
 def allreduce_times(device: Any) -> dict[int, float]:
     """Size in bytes -> seconds per all-reduce on this rank (after a warm-up)."""
     import torch
@@ -218,15 +255,18 @@ def measure(device: Any, rank: int, node: int, local_rank: int) -> list[dict[str
         "host": socket.gethostname(),
         "slurm_name": os.environ.get("SLURMD_NODENAME", ""),
         "k8s_name": os.environ.get("NODE_NAME", ""),  # the downward API's spec.nodeName, where set
+        "kernel": kernel_id(),
+        "device": device.type,
     }
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, me)
     leaders = {r["node"]: r["rank"] for r in everyone if r["local_rank"] == 0}
-    flops = [matmul_flops(device)]  # three bursts seconds apart: a busy moment on a shared host passes
+    turn = matmul_turn(everyone, rank)
+    flops = [matmul_in_turns(device, *turn)]  # three bursts seconds apart: a busy moment on a shared host passes
     me["allreduce"] = allreduce_times(device)
-    flops.append(matmul_flops(device))
+    flops.append(matmul_in_turns(device, *turn))
     me["links"] = link_figures(device, leaders, rank)
-    flops.append(matmul_flops(device))
+    flops.append(matmul_in_turns(device, *turn))
     me["matmul"] = max(flops)
     dist.all_gather_object(everyone, me)
     return everyone
