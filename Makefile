@@ -5,6 +5,10 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 NPROC  ?= 2
+# pip compiles what it installs on one core; compileall compiles the venv on every core afterwards
+# (a bytecode cache only: a file it cannot compile, a few written for other Pythons, costs nothing)
+PIP     = $(BIN)/pip install -q --no-compile
+COMPILE = $(BIN)/python -m compileall -q -j $$(nproc) $(VENV)/lib > /dev/null || true
 
 .PHONY: setup runtime run run-lm shell test lint unit flaky e2e e2e-parallel e2e-serial e2e-down bench clean check process process-beside process-alone process-parallel process-serial provision
 
@@ -13,12 +17,14 @@ NPROC  ?= 2
 runtime: $(VENV)/.runtime
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e .
+	$(PIP) $(TORCH)
+	$(PIP) -e .
+	$(COMPILE)
 	touch $@
 setup: $(VENV)/.dev
 $(VENV)/.dev: $(VENV)/.runtime
-	$(BIN)/pip install -q -e '.[dev]'
+	$(PIP) -e '.[dev]'
+	$(COMPILE)
 	touch $@
 
 HINT = echo "[make] ddpjob is $(BIN)/ddpjob: run it as such, or 'source $(BIN)/activate', or 'make shell'"
