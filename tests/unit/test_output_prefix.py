@@ -48,3 +48,22 @@ def test_lines_written_from_many_threads_at_once_all_start_with_the_prefix(monke
     assert len(lines) >= 4 * 2000
     assert [ln for ln in lines if not ln.startswith(PREFIX)] == []
     assert sum(ln.count("[ddpjob]") for ln in lines) == 4 * 2000  # nothing lost
+
+
+def test_a_write_made_while_the_same_thread_is_inside_one_completes():
+    """A stop signal's handler logs on the main thread, which may be inside a write already: with a
+    lock that is not reentrant, the job would hang there instead of stopping."""
+
+    class Reentering(io.StringIO):
+        def write(self, text: str) -> int:
+            if "step" in text:
+                stream.write("got SIGTERM\n")  # the handler, run between two bytecodes of this write
+            return super().write(text)
+
+    sink = Reentering()
+    stream = PrefixedStream(sink, PREFIX)
+    writer = threading.Thread(target=stream.write, args=("step 5\n",), daemon=True)
+    writer.start()
+    writer.join(timeout=10)
+    assert not writer.is_alive(), "the nested write never returned"
+    assert sink.getvalue().splitlines() == [f"{PREFIX}got SIGTERM", f"{PREFIX}step 5"]

@@ -19,12 +19,13 @@ class PrefixedStream:
 
     The choice of prefix and the write to the stream it wraps happen under one lock: otherwise a
     thread could find itself mid-line (another thread's line begun but not yet written), write its
-    own line without a prefix and have it land first.
+    own line without a prefix and have it land first. The lock is reentrant: a stop signal's
+    handler logs a line on the main thread, which may be inside a write already.
     """
 
     def __init__(self, stream: TextIO, prefix: str) -> None:
         self.stream, self.prefix, self.at_line_start = stream, prefix, True
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def write(self, text: str) -> int:
         with self.lock:
