@@ -16,9 +16,11 @@ from typing import TextIO
 PREFIX = "[ddpjob]"
 
 
-def _line(stream: TextIO, text: str) -> None:
+def _line(stream: TextIO | None, text: str) -> None:
     """One write per line (print writes the text and its newline apart, and another thread's line
-    could land between them), then flush."""
+    could land between them), then flush; nothing where the stream is closed (None), as print."""
+    if stream is None:
+        return
     stream.write(f"{PREFIX} {text}\n")
     stream.flush()
 

@@ -64,9 +64,10 @@ class StopSignal:
         atexit.register(ignore_at_exit)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if not self.received:
+        first = not self.received
+        self.received = signum  # before the log line: a write that fails here must not lose the stop
+        if first:
             log.failure(f"got {signal.Signals(signum).name}: stopping at the next agreed step")
-        self.received = signum
 
     def agreed(self, step: int) -> bool:
         """True on every rank, at the same step, once any rank got a stop signal.
