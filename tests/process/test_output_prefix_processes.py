@@ -35,7 +35,7 @@ def test_a_child_forked_while_another_thread_holds_the_lock_can_still_write():
     pid = os.fork()
     if pid == 0:  # the child: a line of its own, alone and prefixed, or exit 1 (a hang: killed below)
         stream.write("child\n")
-        os._exit(0 if sink.getvalue().endswith(f"{PREFIX}child\n") and "unfinished" not in sink.getvalue() else 1)
+        os._exit(0 if sink.getvalue().endswith(f"unfinished line{PREFIX}child\n") else 1)  # its own line, prefixed
     release.set()
     thread.join()
     deadline = time.monotonic() + 10

@@ -20,10 +20,9 @@ def test_a_line_split_over_writes_gets_one_prefix_and_the_next_line_its_own():
     assert sink.getvalue() == f"{PREFIX}ab\n{PREFIX}c\n{PREFIX}\r\n{PREFIX}d\n"
 
 
-def test_lines_written_from_many_threads_at_once_come_out_whole_each_with_its_prefix(monkeypatch):
+def test_lines_written_from_many_threads_at_once_all_start_with_the_prefix(monkeypatch):
     """The heartbeat thread logs while the loop prints: without the stream's lock a thread could
-    decide mid-line that no prefix is due and have its line land first, unprefixed; without each
-    thread's line held until it ends, a line could land between print's text and its newline."""
+    decide mid-line that no prefix is due and have its line land first, unprefixed."""
     sink = io.StringIO()
     stream = PrefixedStream(sink, PREFIX)
     monkeypatch.setattr(sys, "stdout", stream)
@@ -46,31 +45,18 @@ def test_lines_written_from_many_threads_at_once_come_out_whole_each_with_its_pr
     finally:
         sys.setswitchinterval(switch)
     lines = sink.getvalue().splitlines()
-    assert len(lines) == 4 * 2000
-    assert [ln for ln in lines if not ln.startswith(f"{PREFIX}[ddpjob] ") or ln.count("[ddpjob]") != 1] == []
-    for n in range(4):  # nothing lost, each thread's lines in its order
-        assert [ln.split()[-1] for ln in lines if ln.split()[-2] == str(n)] == [str(i) for i in range(2000)]
+    assert [ln for ln in lines if not ln.startswith(PREFIX)] == []
+    assert sum(ln.count("[ddpjob]") for ln in lines) == 4 * 2000  # nothing lost
 
 
-def test_an_unfinished_line_is_written_on_flush_and_its_end_gets_no_second_prefix():
+def test_text_is_written_at_once_and_the_end_of_its_line_gets_no_second_prefix():
+    """A worker's last words before a hang or an os._exit must be out, newline or not."""
     sink = io.StringIO()
     stream = PrefixedStream(sink, PREFIX)
-    stream.write("loading")
-    assert sink.getvalue() == ""  # held: the line is not finished
-    stream.flush()
-    assert sink.getvalue() == f"{PREFIX}loading"
-    stream.writelines([" ...", " done\n"])
-    assert sink.getvalue() == f"{PREFIX}loading ... done\n"
-
-
-def test_the_unfinished_line_of_a_thread_that_ended_is_written_at_the_next_flush():
-    sink = io.StringIO()
-    stream = PrefixedStream(sink, PREFIX)
-    thread = threading.Thread(target=stream.write, args=("last words",))
-    thread.start()
-    thread.join()
-    stream.flush()  # as the interpreter's own at exit
-    assert sink.getvalue() == f"{PREFIX}last words"
+    stream.write("loading shard 3 ... ")
+    assert sink.getvalue() == f"{PREFIX}loading shard 3 ... "
+    stream.writelines(["done\nnext", " line\n"])
+    assert sink.getvalue() == f"{PREFIX}loading shard 3 ... done\n{PREFIX}next line\n"
 
 
 def test_a_write_made_while_the_same_thread_is_inside_one_completes():
