@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import pickle
@@ -529,4 +530,6 @@ if __name__ == "__main__":
         importlib.import_module(_name)
 
     assert os.listdir("/proc/self/task") == [str(os.getpid())]  # a fork keeps no other thread
+    gc.collect()  # then what the starter imported is out of every command's collections: none of them
+    gc.freeze()  # writes to it and copies its pages (forked workers do the same, worker_fork._fork)
     _become_the_command(*_serve(_path, _parent))

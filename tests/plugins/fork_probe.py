@@ -7,6 +7,7 @@ agent starts one), and writes what each saw as JSON, for the test to compare.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -67,6 +68,7 @@ def state() -> dict[str, Any]:
         for h in lg.handlers
     )
     return {
+        "frozen": gc.get_freeze_count(),
         "handlers": {sig.name: _handler(signal.getsignal(sig)) for sig in signal.Signals},
         "mask": sorted(sig.name for sig in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
         "wakeup_fd": wakeup,

@@ -47,6 +47,8 @@ def test_a_forked_worker_starts_as_an_exec_d_python_would(work):
         assert state.pop("argv") == ["train", str(work / f"{how}.json")]
     # launch's stream handler moved onto the worker's stderr (an exec'd worker has none); torch's own the same
     assert sorted([*execd.pop("log_handlers"), "StreamHandler:2"]) == forked.pop("log_handlers")
+    # what launch loaded (torch) is frozen in a fork: no collection of the worker writes to it and copies its pages
+    assert forked.pop("frozen") > 50_000 and execd.pop("frozen") == 0
     assert forked["launchs_descriptors"] == [] and forked["handlers"]["SIGTERM"] == "SIG_DFL"
     assert forked["handlers"]["SIGINT"] == "default_int_handler" and forked["own_session"]
     for key in execd:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import logging
 import os
@@ -174,6 +175,10 @@ def _fork(child: Callable[[Any], NoReturn]) -> int:
         pid = os.fork()
         if pid == 0:
             try:
+                # What launch loaded (torch, the user's modules) is never the child's garbage: out of
+                # the collector's reach, no collection writes to it and copies its pages (the loop
+                # freezes again, and thaws everything at its end, loop.train)
+                gc.freeze()
                 child(mask)
             except BaseException:  # its own set-up failed: say why on stderr, not only with a code
                 with contextlib.suppress(BaseException):
