@@ -379,18 +379,24 @@ def test_metrics_and_attempts_append_across_restarts(work):
 DDP_AT_DESTROY = """
 import os
 if "LOCAL_RANK" in os.environ:
-    import gc
+    import weakref
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    destroy = dist.destroy_process_group
+    destroy, init, made = dist.destroy_process_group, DDP.__init__, weakref.WeakSet()
+
+    def noting_init(self, *args, **kwargs):  # a WeakSet sees frozen objects, which gc.get_objects() does not
+        made.add(self)
+        init(self, *args, **kwargs)
+        self.noted_cycle = [self]  # in a cycle for sure: only a collection frees it
 
     def noting_live_ddp(*args, **kwargs):
-        alive = any(isinstance(o, DDP) for o in gc.get_objects())
+        alive = len(made) > 0
         with open(os.path.join(os.environ["DDP_NOTES"], os.environ["RANK"]), "w") as f:
             f.write(str(alive))
         return destroy(*args, **kwargs)
 
+    DDP.__init__ = noting_init
     dist.destroy_process_group = noting_live_ddp
 """
 

@@ -175,9 +175,9 @@ def _fork(child: Callable[[Any], NoReturn]) -> int:
         pid = os.fork()
         if pid == 0:
             try:
-                # What launch loaded (torch, the user's modules) is never the child's garbage: out of
-                # the collector's reach, no collection writes to it and copies its pages (the loop
-                # freezes again, and thaws everything at its end, loop.train)
+                # What launch loaded (torch, ddpjob's modules) is never the child's garbage: out of
+                # the collector's reach, no collection writes to it and copies its pages until
+                # training ends (the loop freezes again, and set-up thaws everything at its end)
                 gc.freeze()
                 child(mask)
             except BaseException:  # its own set-up failed: say why on stderr, not only with a code

@@ -92,8 +92,8 @@ def train(job: Job) -> int:
             with job.phases.enter("eval"):  # the tracker's last records may take --tracker-timeout
                 job.metrics.close(step=progress.step, exit_code=exit_code)
         finally:  # also when the close raises
+            gc.unfreeze()  # first: settle can raise (a second signal's log line to a closed pipe)
             stop.settle(finished=exit_code == EXIT_OK)
-            gc.unfreeze()
 
 
 def accumulate(job: Job, batch: Any, sync: bool) -> None:
