@@ -56,7 +56,7 @@ def train(job: Job) -> int:
     cfg, progress, feed, stop = job.cfg, job.progress, job.feed, job.stop
     accum = job.batching.grad_accum
     exit_code, start_time, first_step = EXIT_OK, time.perf_counter(), progress.step
-    gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short
+    gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short (setup.job thaws)
 
     try:
         while progress.epoch < cfg.epochs and progress.step < job.total_steps:
@@ -92,7 +92,6 @@ def train(job: Job) -> int:
             with job.phases.enter("eval"):  # the tracker's last records may take --tracker-timeout
                 job.metrics.close(step=progress.step, exit_code=exit_code)
         finally:  # also when the close raises
-            gc.unfreeze()  # first: settle can raise (a second signal's log line to a closed pipe)
             stop.settle(finished=exit_code == EXIT_OK)
 
 

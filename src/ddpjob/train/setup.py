@@ -189,8 +189,8 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
         if loader is not None:
             feeds.end_workers(loader)  # now, while its queues work (feeds.end_workers)
         # DDP's reducer sits in reference cycles; freed at interpreter exit, its pending gloo work
-        # aborts the process ("terminate called without an active exception"). Free it now, frozen
-        # or not (the loop thaws what it froze, but not on every path that fails before it does).
+        # aborts the process ("terminate called without an active exception"). Free it now, on every
+        # path: thawed first, as the loop and a forked start froze what they found (loop.train, worker_fork).
         gc.unfreeze()
         gc.collect()
         if dist.is_initialized():
