@@ -7,7 +7,8 @@ forked from it per command forks the command and waits for it; the command becom
 ddpjob ARGS`` would be (its stdin, stdout and stderr, cwd, environment, argv, ``sys.path[0]``, newly
 seeded generators), runs ddpjob as ``__main__`` and ends as python's exit would, the way a forked
 worker ends (worker_fork._run_as_main): SystemExit's code, an error's traceback and 1, non-daemon
-threads joined, atexit, buffers flushed; then os._exit, without the teardown of every module.
+threads joined, atexit, buffers flushed; then os._exit, without the teardown of every module (but
+for a rank started by hand, RANK set: _become_the_command).
 
 Two ways in: ``run`` (helpers.ddpjob), as ``subprocess.run`` runs a command to its end, and ``Started``
 (helpers.spawn), as ``subprocess.Popen`` starts one in the background: its pid is the command's, so
@@ -506,12 +507,13 @@ def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int
         os._exit(0)
 
 
-def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> NoReturn:
+def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> None:
     """In the command's process: what ``python -m ddpjob ARGS`` would be, then ddpjob run as __main__,
     ended as a forked worker ends (worker_fork._run_as_main: python's exit code, traceback, threads
     joined and atexit, then os._exit). Not the interpreter's own finalization: tearing down every
     module of the fork writes to the starter's objects and copies their pages, about 0.9 s of CPU
-    per command on a 2-core machine."""
+    per command on a 2-core machine. Except a rank started by hand (RANK set), as torchrun or srun
+    start ranks: its interpreter tears down as theirs does, where an object freed late would abort."""
     import runpy
 
     for target, fd in enumerate(fds):
@@ -524,6 +526,10 @@ def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: lis
     sys.argv = ["-m", *args]  # runpy puts the module's file first, as -m does
     sys.path[0] = os.getcwd()  # as -m sets it (this file's folder, as a script, until now)
     worker_fork._seed_like_a_new_process()
+
+    if "RANK" in env:
+        runpy.run_module("ddpjob", run_name="__main__", alter_sys=True)
+        return
 
     def main() -> int:
         runpy.run_module("ddpjob", run_name="__main__", alter_sys=True)

@@ -91,6 +91,9 @@ ENDINGS = {  # how -> (what the factory does, the exit code python gives it)
     "SIGKILL": (lambda: os.kill(os.getpid(), signal.SIGKILL), -signal.SIGKILL),
     "abort": (os.abort, -signal.SIGABRT),
     "KeyboardInterrupt": (lambda: os.kill(os.getpid(), signal.SIGINT), None),
+    "exit_message": (lambda: sys.exit("a message to end with"), None),
+    # written last, into stdout's buffer (a pipe's: held until a flush), which only the exit flushes
+    "unflushed_at_exit": (lambda: (atexit.register(sys.stdout.write, "last words"), sys.exit(0)), None),
     "thread_and_atexit": (
         lambda: (atexit.register(print, "atexit ran"), threading.Thread(target=_late_thread).start(), sys.exit(0)),
         None,

@@ -69,7 +69,10 @@ def test_a_forked_command_starts_as_an_exec_d_one_would(work):
 
 
 @pytest.mark.parametrize("how", ENDINGS)
-def test_a_forked_command_ends_as_an_exec_d_one_would(work, how):
+def test_a_forked_command_ends_as_an_exec_d_one_would(work, how, monkeypatch):
+    monkeypatch.delenv(
+        "PYTHONUNBUFFERED", raising=False
+    )  # stdout a pipe's buffer, as a user's is (a starter of its own)
     runs = both(["train", "--data", f"tests.plugins.starter_probe:ending(how={how!r})"], work)
     execd, forked = runs[True], runs[False]
     assert f"ending: {how}" in execd.stdout, execd.stderr[-3000:]  # it ran, and ended as it says

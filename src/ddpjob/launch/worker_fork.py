@@ -176,8 +176,8 @@ def _fork(child: Callable[[Any], NoReturn]) -> int:
         if pid == 0:
             try:
                 # What launch loaded (torch, ddpjob's modules) is never the child's garbage: out of
-                # the collector's reach, no collection writes to it and copies its pages, up to the
-                # worker's os._exit (the loop then leaves set-up's objects in reach: loop.train)
+                # the collector's reach, no collection writes to it and copies its pages until
+                # training ends (the loop freezes again, and set-up thaws everything at its end)
                 gc.freeze()
                 child(mask)
             except BaseException:  # its own set-up failed: say why on stderr, not only with a code

@@ -56,12 +56,7 @@ def train(job: Job) -> int:
     cfg, progress, feed, stop = job.cfg, job.progress, job.feed, job.stop
     accum = job.batching.grad_accum
     exit_code, start_time, first_step = EXIT_OK, time.perf_counter(), progress.step
-    # What set-up allocated is never garbage: frozen, it keeps the collector's passes in the loop short.
-    # A forked worker froze all it inherited at the fork (worker_fork._fork): set-up's objects stay in
-    # reach there, so that the tear-down's collection visits them alone, not the fork's every page.
-    froze = gc.get_freeze_count() == 0
-    if froze:
-        gc.freeze()
+    gc.freeze()  # what set-up allocated is never garbage: keep the collector's passes in the loop short (setup.job thaws)
 
     try:
         while progress.epoch < cfg.epochs and progress.step < job.total_steps:
@@ -93,8 +88,6 @@ def train(job: Job) -> int:
         exit_code = checkpoint_and_close(job, failure=exc)
         raise
     finally:
-        if froze:  # first: the tear-down's collection must reach DDP's reducer whatever raises below
-            gc.unfreeze()
         try:
             with job.phases.enter("eval"):  # the tracker's last records may take --tracker-timeout
                 job.metrics.close(step=progress.step, exit_code=exit_code)

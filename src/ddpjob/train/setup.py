@@ -190,7 +190,8 @@ def job(cfg: Config, env: DistEnv) -> Iterator[Job]:
             feeds.end_workers(loader)  # now, while its queues work (feeds.end_workers)
         # DDP's reducer sits in reference cycles; freed at interpreter exit, its pending gloo work
         # aborts the process ("terminate called without an active exception"). Free it now, on every
-        # path (the loop thawed what it froze; a forked worker's inheritance stays frozen: loop.train).
+        # path: thawed first, as the loop and a forked start froze what they found (loop.train, worker_fork).
+        gc.unfreeze()
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
