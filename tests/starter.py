@@ -8,7 +8,7 @@ ddpjob ARGS`` would be (its stdin, stdout and stderr, cwd, environment, argv, ``
 seeded generators), runs ddpjob as ``__main__`` and ends as python's exit would, the way a forked
 worker ends (worker_fork._run_as_main): SystemExit's code, an error's traceback and 1, non-daemon
 threads joined, atexit, buffers flushed; then os._exit, without the teardown of every module (but
-for a rank started by hand, RANK set: _become_the_command).
+for a rank, RANK or SLURM_PROCID set: _become_the_command).
 
 Two ways in: ``run`` (helpers.ddpjob), as ``subprocess.run`` runs a command to its end, and ``Started``
 (helpers.spawn), as ``subprocess.Popen`` starts one in the background: its pid is the command's, so
@@ -46,6 +46,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, NoReturn
 
+from ddpjob import distenv
+from ddpjob.errors import UsageError
 from ddpjob.launch import worker_fork
 
 # Variables read as the interpreter, torch or the C libraries start: a command whose value differs from
@@ -507,13 +509,22 @@ def _keep(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[int
         os._exit(0)
 
 
+def _a_rank(env: dict[str, str]) -> bool:
+    """Whether ddpjob reads ENV as one rank of a job (RANK, or SLURM_PROCID as srun sets it)."""
+    try:
+        return distenv.resolve(env).source != "single"
+    except UsageError:  # it exits 2 at once
+        return False
+
+
 def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> None:
     """In the command's process: what ``python -m ddpjob ARGS`` would be, then ddpjob run as __main__,
     ended as a forked worker ends (worker_fork._run_as_main: python's exit code, traceback, threads
     joined and atexit, then os._exit). Not the interpreter's own finalization: tearing down every
     module of the fork writes to the starter's objects and copies their pages, about 0.9 s of CPU
-    per command on a 2-core machine. Except a rank started by hand (RANK set), as torchrun or srun
-    start ranks: its interpreter tears down as theirs does, where an object freed late would abort."""
+    per command on a 2-core machine. Except a rank (RANK set by hand, or SLURM_PROCID: _a_rank), as
+    torchrun or srun start ranks: its interpreter tears down as theirs does (an object freed late would
+    abort there)."""
     import runpy
 
     for target, fd in enumerate(fds):
@@ -527,7 +538,7 @@ def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: lis
     sys.path[0] = os.getcwd()  # as -m sets it (this file's folder, as a script, until now)
     worker_fork._seed_like_a_new_process()
 
-    if "RANK" in env:
+    if _a_rank(env):
         runpy.run_module("ddpjob", run_name="__main__", alter_sys=True)
         return
 

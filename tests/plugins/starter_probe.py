@@ -101,6 +101,21 @@ ENDINGS = {  # how -> (what the factory does, the exit code python gives it)
 }
 
 
+class _SaysWhenFreed:
+    def __del__(self, write: Any = os.write) -> None:  # os.write bound now: the teardown may have cleared os
+        write(2, b"torn down\n")
+
+
+_KEPT: list[_SaysWhenFreed] = []
+
+
+def kept_till_teardown() -> Any:
+    """The default data, with an object that this module keeps and that says so when it is freed: by
+    the interpreter's teardown of the modules, which an os._exit skips."""
+    _KEPT.append(_SaysWhenFreed())
+    return plugins.digits()
+
+
 def forked() -> bool:
     """Whether this process was forked from tests/starter.py (python's own argv is the starter's)."""
     return any(arg.endswith("starter.py") for arg in sys.orig_argv)

@@ -17,6 +17,7 @@ from tests.plugins.starter_probe import ENDINGS
 
 import starter
 from helpers import alive, clean_env, ddpjob, spawn, wait_until
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,30 @@ def test_a_forked_command_starts_as_an_exec_d_one_would(work):
     assert all(a != b for a, b in zip(*draws, strict=True)), draws  # python's, numpy's, torch's: seeded anew
     for key in execd:
         assert forked[key] == execd[key], key
+
+
+def test_a_rank_started_by_hand_tears_down_as_an_exec_d_one_and_other_commands_skip_the_teardown(work):
+    """Where ddpjob reads its environment as a rank (RANK here), a forked command ends through the
+    interpreter's teardown, as a rank torchrun or srun starts does (an object freed late would abort
+    there); any other ends as a forked worker does, without it."""
+    args = [
+        "train",
+        "--max-steps",
+        "1",
+        "--save-every",
+        "0",
+        "--data",
+        "tests.plugins.starter_probe:kept_till_teardown",
+    ]
+    ends = {}
+    for name, fresh, port in [("exec", True, free_port()), ("fork", False, free_port()), ("plain", False, None)]:
+        cwd = work / name
+        cwd.mkdir()
+        rank = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if port else {}
+        proc = ddpjob(args, cwd, fresh=fresh, **rank)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ends[name] = "torn down" in proc.stderr
+    assert ends == {"exec": True, "fork": True, "plain": False}
 
 
 @pytest.mark.parametrize("how", ENDINGS)
