@@ -538,14 +538,13 @@ def _become_the_command(args: list[str], cwd: str, env: dict[str, str], fds: lis
     sys.path[0] = os.getcwd()  # as -m sets it (this file's folder, as a script, until now)
     worker_fork._seed_like_a_new_process()
 
-    if _a_rank(env):
-        runpy.run_module("ddpjob", run_name="__main__", alter_sys=True)
-        return
-
     def main() -> int:
         runpy.run_module("ddpjob", run_name="__main__", alter_sys=True)
         return 0
 
+    if _a_rank(env):
+        main()  # returns only if ddpjob does: then the interpreter exits as python -m's would
+        return
     worker_fork._run_as_main(main, sigint_ignored=signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
 
 

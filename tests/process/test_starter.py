@@ -73,15 +73,8 @@ def test_a_rank_started_by_hand_tears_down_as_an_exec_d_one_and_other_commands_s
     """Where ddpjob reads its environment as a rank (RANK here), a forked command ends through the
     interpreter's teardown, as a rank torchrun or srun starts does (an object freed late would abort
     there); any other ends as a forked worker does, without it."""
-    args = [
-        "train",
-        "--max-steps",
-        "1",
-        "--save-every",
-        "0",
-        "--data",
-        "tests.plugins.starter_probe:kept_till_teardown",
-    ]
+    data = "tests.plugins.starter_probe:kept_till_teardown"
+    args = ["train", "--max-steps", "1", "--save-every", "0", "--data", data]
     ends = {}
     for name, fresh, port in [("exec", True, free_port()), ("fork", False, free_port()), ("plain", False, None)]:
         cwd = work / name
@@ -95,9 +88,8 @@ def test_a_rank_started_by_hand_tears_down_as_an_exec_d_one_and_other_commands_s
 
 @pytest.mark.parametrize("how", ENDINGS)
 def test_a_forked_command_ends_as_an_exec_d_one_would(work, how, monkeypatch):
-    monkeypatch.delenv(
-        "PYTHONUNBUFFERED", raising=False
-    )  # stdout a pipe's buffer, as a user's is (a starter of its own)
+    # stdout a pipe's buffer, as a user's is (a starter of its own)
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     runs = both(["train", "--data", f"tests.plugins.starter_probe:ending(how={how!r})"], work)
     execd, forked = runs[True], runs[False]
     assert f"ending: {how}" in execd.stdout, execd.stderr[-3000:]  # it ran, and ended as it says
